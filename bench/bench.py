@@ -1,0 +1,190 @@
+"""Forward attention benchmark: flashkiln beside torch's SDPA backends on the same shapes, one process.
+
+Standard sweep (shared/CONVENTIONS.md): bf16, H = 2048 / d, B = 16384 / S, S in 512..16k,
+d in {64, 128, 256}, causal off and on. Each timing is the median of CUDA-event timings of single
+calls; before each timed call the GPU is kept busy with a sleep kernel, so host-side launch
+overhead overlaps it and only device time is measured. FLOPs: 4 * B * H * d * (visible (i, j)
+pairs), counted exactly under the causal mask.
+
+Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/bench [--quick]
+  [--kernel-dir LABEL=DIR ...]   also time the kernels of other generated directories
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashkiln
+from flashkiln.errors import VariantNotFoundError
+from flashkiln.registry import KernelRegistry
+
+TORCH_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def visible_pairs(sq: int, sk: int, causal: bool) -> int:
+    """(i, j) pairs a top-left causal mask leaves visible (all of them without a mask)."""
+    if not causal:
+        return sq * sk
+    full = min(sq, sk)  # row i sees min(i + 1, sk) keys
+    return full * (full + 1) // 2 + max(0, sq - sk) * sk
+
+
+def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # ~0.5 ms of queued work: host overhead of fn() hides behind it
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def matmul_peak_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / (time_ms(lambda: a @ b, 3, 10) * 1e-3) / 1e12
+
+
+def run(args: argparse.Namespace) -> dict:
+    seqlens = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    head_dims = args.head_dims
+    registries = {"flashkiln": KernelRegistry(args.kernel_dir) if args.kernel_dir else None}
+    for spec in args.extra_kernel_dir:
+        label, _, path = spec.partition("=")
+        registries[f"flashkiln[{label}]"] = KernelRegistry(Path(path))
+    rows = []
+    for d in head_dims:
+        for causal in (False, True):
+            for s in seqlens:
+                b, h = 16384 // s, 2048 // d
+                gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                           for _ in range(3))
+                flops = 4 * b * h * d * visible_pairs(s, s, causal)
+                cases: dict[str, Callable[[], object]] = {}
+                for name, backend in TORCH_BACKENDS.items():
+                    def call(backend=backend):
+                        with sdpa_kernel(backend):
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    cases[name] = call
+                for name, registry in registries.items():
+                    cases[name] = (lambda registry=registry: flashkiln.attention_forward(
+                        q, k, v, causal="top_left" if causal else None, registry=registry))
+                for name, fn in cases.items():
+                    try:
+                        ms = time_ms(fn, args.warmup, args.reps)
+                    except (RuntimeError, VariantNotFoundError) as exc:
+                        print(f"  {name} d={d} causal={causal} S={s}: skipped ({str(exc).splitlines()[0]})",
+                              file=sys.stderr)
+                        continue
+                    rows.append({"backend": name, "d": d, "causal": causal, "seqlen": s, "batch": b, "heads": h,
+                                 "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
+                    print(f"{name:>22} d={d:<3} causal={causal!s:<5} S={s:<5} {ms:8.3f} ms "
+                          f"{rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
+                del q, k, v
+    cudnn = {(r["d"], r["causal"], r["seqlen"]): r["tflops"] for r in rows if r["backend"] == "cudnn"}
+    for r in rows:
+        ref = cudnn.get((r["d"], r["causal"], r["seqlen"]))
+        r["vs_cudnn"] = r["tflops"] / ref if ref else None
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": props.name,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "cuda": torch.version.cuda,
+        "flashkiln": flashkiln.__version__,
+        "kernel_build": {name: (reg or KernelRegistry()).manifest.build for name, reg in registries.items()},
+        "bf16_matmul_tflops": matmul_peak_tflops(),
+        "method": "median of CUDA-event timings of single calls after a sleep kernel; bf16; "
+                  "H=2048/d, B=16384/S; FLOPs 4*B*H*d*visible pairs",
+        "rows": rows,
+    }
+
+
+def table(result: dict) -> str:
+    backends = sorted({r["backend"] for r in result["rows"]}, key=lambda n: (not n.startswith("flashkiln"), n))
+    lines = ["| d | causal | S | " + " | ".join(f"{b} TFLOP/s (x cuDNN)" for b in backends) + " |",
+             "|---|---|---|" + "---|" * len(backends)]
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in result["rows"]:
+        by_key.setdefault((r["d"], r["causal"], r["seqlen"]), {})[r["backend"]] = r
+    for (d, causal, s), cells in sorted(by_key.items()):
+        text = []
+        for b in backends:
+            r = cells.get(b)
+            text.append("-" if r is None else f"{r['tflops']:.0f}" + (f" ({r['vs_cudnn']:.2f})" if r["vs_cudnn"] else ""))
+        lines.append(f"| {d} | {causal} | {s} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
+def chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["d"] for r in result["rows"]})
+    fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
+    for col, d in enumerate(dims):
+        for row, causal in enumerate((False, True)):
+            ax = axes[row][col]
+            for backend in sorted({r["backend"] for r in result["rows"]}):
+                pts = sorted((r["seqlen"], r["tflops"]) for r in result["rows"]
+                             if r["backend"] == backend and r["d"] == d and r["causal"] == causal)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"attention forward, bf16, {result['device']} ({result['date'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("build/bench"))
+    parser.add_argument("--quick", action="store_true", help="S in {2k, 8k} only")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--kernel-dir", type=Path, help="flashkiln's kernels (default: the runtime's default)")
+    parser.add_argument("--extra-kernel-dir", action="append", default=[], metavar="LABEL=DIR",
+                        help="also time the kernels of another generated directory (tuning candidates)")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "forward.json").write_text(json.dumps(result, indent=1))
+    (args.out / "forward.md").write_text(table(result) + "\n")
+    chart(result, args.out / "forward.png")
+    print(f"\n{result['device']}, torch {result['torch']}, cuDNN {result['cudnn']}, "
+          f"bf16 matmul {result['bf16_matmul_tflops']:.0f} TFLOP/s\n")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Compile one rendered translation unit to a cubin with NVRTC (no GPU, no nvcc)."""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a variant's source; the message holds the variant's name and the log."""
+
+    def __init__(self, name: str, log: str):
+        self.name, self.log = name, log
+        super().__init__(f"NVRTC failed to compile {name}:\n{log}")
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    cubin: bytes
+    log: str
+    registers: int
+    spill_bytes: int  # spill stores + spill loads reported by ptxas
+    seconds: float
+
+
+def _check(result: tuple, what: str) -> tuple:
+    from cuda.bindings import nvrtc
+
+    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{what} failed: {result[0]}")
+    return result[1:]
+
+
+def _resource_usage(log: str) -> tuple[int, int]:
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (int(regs.group(1)) if regs else -1, int(spills.group(1)) + int(spills.group(2)) if spills else 0)
+
+
+def compile_cubin(source: str, name: str, options: list[str]) -> CompileResult:
+    """Compile `source` with `options` (which name the real arch, -arch=sm_XY) into SASS."""
+    from cuda.bindings import nvrtc
+
+    start = time.perf_counter()
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in options]
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        (log_size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log_buf = b" " * log_size
+        _check(nvrtc.nvrtcGetProgramLog(prog, log_buf), "nvrtcGetProgramLog")
+        log = log_buf.rstrip(b"\0").decode(errors="replace").strip()
+        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(name, log)
+        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    registers, spills = _resource_usage(log)
+    return CompileResult(cubin, log, registers, spills, time.perf_counter() - start)

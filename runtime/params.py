@@ -1,0 +1,80 @@
+"""Kernel parameter blocks, mirrored from templates/include/flashkiln/params.hpp.
+
+The C++ struct is the kernel's single `__grid_constant__` argument. Each rendered translation
+unit static_asserts the struct's size and every field's size and offset against the layout
+computed here (by bit-casting a constexpr instance whose fields hold their 1-based index), so a
+mismatch fails the compile; the manifest records the layout digest, and the runtime refuses a
+cubin built against another layout.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from dataclasses import dataclass
+
+
+class FwdParams(ctypes.Structure):
+    _fields_ = [
+        # Device addresses (integers, so that the C++ side can check this layout in constexpr).
+        ("q", ctypes.c_uint64),
+        ("k", ctypes.c_uint64),
+        ("v", ctypes.c_uint64),
+        ("o", ctypes.c_uint64),
+        ("lse", ctypes.c_uint64),
+        # Strides in elements; the head dim is always contiguous (stride 1).
+        ("q_batch_stride", ctypes.c_int64),
+        ("q_head_stride", ctypes.c_int64),
+        ("q_row_stride", ctypes.c_int64),
+        ("k_batch_stride", ctypes.c_int64),
+        ("k_head_stride", ctypes.c_int64),
+        ("k_row_stride", ctypes.c_int64),
+        ("v_batch_stride", ctypes.c_int64),
+        ("v_head_stride", ctypes.c_int64),
+        ("v_row_stride", ctypes.c_int64),
+        ("o_batch_stride", ctypes.c_int64),
+        ("o_head_stride", ctypes.c_int64),
+        ("o_row_stride", ctypes.c_int64),
+        ("batch", ctypes.c_int32),
+        ("heads_q", ctypes.c_int32),
+        ("heads_kv", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("scale_log2", ctypes.c_float),
+        ("_pad0", ctypes.c_int32),
+    ]
+
+
+# Which parameter struct each kernel takes: C++ type name and its ctypes mirror.
+PARAMS_BY_KERNEL: dict[str, tuple[str, type[ctypes.Structure]]] = {
+    "fwd": ("flashkiln::FwdParams", FwdParams),
+}
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    name: str
+    offset: int
+    size: int
+    is_float: bool
+
+
+@dataclass(frozen=True)
+class ParamsLayout:
+    cpp_type: str
+    size: int
+    fields: tuple[FieldLayout, ...]
+
+    @property
+    def digest(self) -> str:
+        text = ";".join(f"{f.name}@{f.offset}+{f.size}" for f in self.fields) + f";size={self.size}"
+        return hashlib.sha256(f"{self.cpp_type}|{text}".encode()).hexdigest()[:16]
+
+
+def params_layout(kernel: str) -> ParamsLayout:
+    cpp_type, struct = PARAMS_BY_KERNEL[kernel]
+    fields = tuple(
+        FieldLayout(name, getattr(struct, name).offset, getattr(struct, name).size, ctype is ctypes.c_float)
+        for name, ctype in struct._fields_
+    )
+    return ParamsLayout(cpp_type, ctypes.sizeof(struct), fields)

@@ -1,0 +1,163 @@
+"""Kernel lookup and loading: functional request -> manifest entry -> verified, loaded cubin."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .archs import ARCHS, arch_preference
+from .descriptor import FUNCTIONAL_FIELDS, PERFORMANCE_FIELDS
+from .driver import CudaDriver, Driver
+from .errors import ArchMismatchError, KernelIntegrityError, ManifestError, VariantNotFoundError
+from .manifest import KernelEntry, Manifest
+from .params import params_layout
+
+PACKAGE_KERNEL_DIR = Path(__file__).resolve().parent / "kernels"  # where a wheel puts its cubins
+SOURCE_KERNEL_DIR = Path(__file__).resolve().parent.parent / "generated"  # `make generate` in a checkout
+
+
+def default_kernel_dir() -> Path:
+    """$FLASHKILN_KERNEL_DIR, else cubins packaged with flashkiln, else the checkout's generated/."""
+    if env := os.environ.get("FLASHKILN_KERNEL_DIR"):
+        return Path(env)
+    return PACKAGE_KERNEL_DIR if PACKAGE_KERNEL_DIR.is_dir() else SOURCE_KERNEL_DIR
+
+
+@dataclass(frozen=True)
+class LoadedKernel:
+    entry: KernelEntry
+    handle: Any
+
+
+def _describe(fields: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={fields[k]}" for k in FUNCTIONAL_FIELDS if k in fields)
+
+
+def _yaml_hint(fields: dict[str, Any], spec: str) -> str:
+    dims = fields["d_qk"] if fields["d_qk"] == fields["d_v"] else f"[{fields['d_qk']}, {fields['d_v']}]"
+    dims_key = fields["d_qk"] if fields["d_qk"] == fields["d_v"] else f"{fields['d_qk']}x{fields['d_v']}"
+    return (
+        f"To add it, append this group to `variants:` in {spec} and run `make generate`:\n"
+        f"  - kernel: [{fields['kernel']}]\n"
+        f"    arch: [{fields['arch']}]\n"
+        f"    dtype: [{fields['dtype']}]\n"
+        f"    head_dims: [{dims}]\n"
+        f"    causal: [{fields['causal']}]\n"
+        f"    bias: [{fields['bias']}]\n"
+        f"    deterministic: [{str(fields['deterministic']).lower()}]\n"
+        f"(its tuning table needs a row {fields['kernel']}: {fields['arch']}: {dims_key}: "
+        f"{{{', '.join(f'{k}: ...' for k in PERFORMANCE_FIELDS)}}})"
+    )
+
+
+class KernelRegistry:
+    """The kernels of one generated directory, loaded lazily and at most once per device."""
+
+    def __init__(self, directory: Path | None = None, driver: Driver | None = None):
+        self.directory = Path(directory) if directory is not None else default_kernel_dir()
+        self._driver = driver
+        self._loaded: dict[tuple[str, int], LoadedKernel] = {}
+        self._lock = threading.Lock()
+
+    @functools.cached_property
+    def manifest(self) -> Manifest:
+        return Manifest.load(self.directory)
+
+    @functools.cached_property
+    def _index(self) -> dict[tuple, list[KernelEntry]]:
+        index: dict[tuple, list[KernelEntry]] = {}
+        for entry in self.manifest.kernels:
+            index.setdefault(entry.variant.functional_key, []).append(entry)
+        return index
+
+    @property
+    def driver(self) -> Driver:
+        if self._driver is None:
+            self._driver = CudaDriver()
+        return self._driver
+
+    # -- lookup ------------------------------------------------------------------------------
+    def find(self, request: dict[str, Any], capability: tuple[int, int]) -> KernelEntry:
+        """The entry for `request` (every functional field but arch) that runs best on `capability`."""
+        runnable = [a.name for a in arch_preference(capability)]
+        built_archs = sorted({e.arch for e in self.manifest.kernels})
+        if not any(a in built_archs for a in runnable):
+            raise ArchMismatchError(
+                f"this GPU has compute capability {capability[0]}.{capability[1]}, but the kernels in "
+                f"{self.directory} are built for {', '.join(built_archs) or 'no arch'}, none of which runs on it "
+                f"(needs one of: {', '.join(runnable) or 'an arch flashkiln does not know'}); "
+                "add the arch to the specs and run `make generate`"
+            )
+        for arch in runnable:
+            fields = {**request, "arch": arch}
+            entries = self._index.get(tuple(fields[k] for k in FUNCTIONAL_FIELDS))
+            if entries:
+                return entries[0]
+        wanted = {**request, "arch": next(a for a in runnable if a in built_archs)}
+        raise VariantNotFoundError(self._not_found_message(wanted))
+
+    def _not_found_message(self, wanted: dict[str, Any]) -> str:
+        def distance(e: KernelEntry) -> int:
+            return sum(e.descriptor[k] != wanted[k] for k in FUNCTIONAL_FIELDS)
+
+        closest = sorted(self.manifest.kernels, key=lambda e: (distance(e), e.name))[:3]
+        same_family = [e.spec for e in self.manifest.kernels if e.descriptor["family"] == wanted["family"]]
+        spec = same_family[0] if same_family else f"specs/{wanted['family']}.yaml"
+        lines = [f"no generated kernel for: {_describe(wanted)}", f"  (kernel directory: {self.directory})"]
+        if closest:
+            lines.append("closest generated variants:")
+            lines += [f"  {e.name}: {_describe(e.descriptor)}" for e in closest]
+        lines.append(_yaml_hint(wanted, spec))
+        return "\n".join(lines)
+
+    # -- loading and launching -----------------------------------------------------------------
+    def load(self, entry: KernelEntry, device: int, capability: tuple[int, int]) -> LoadedKernel:
+        if not ARCHS[entry.arch].runs_on(capability):
+            raise ArchMismatchError(
+                f"{entry.name} is built for {entry.arch}, which does not run on compute capability "
+                f"{capability[0]}.{capability[1]} (device {device})"
+            )
+        key = (entry.hash, device)
+        with self._lock:
+            if key not in self._loaded:
+                self._loaded[key] = self._load(entry, device)
+            return self._loaded[key]
+
+    def _load(self, entry: KernelEntry, device: int) -> LoadedKernel:
+        expected_layout = params_layout(entry.descriptor["kernel"]).digest
+        if entry.params_layout != expected_layout:
+            raise ManifestError(
+                f"{entry.name} was built for parameter layout {entry.params_layout}, this runtime packs "
+                f"{expected_layout}: regenerate the kernels with this flashkiln version"
+            )
+        path = self.directory / entry.cubin
+        try:
+            image = path.read_bytes()
+        except FileNotFoundError:
+            raise KernelIntegrityError(f"cubin of {entry.name} is missing: {path}") from None
+        digest = hashlib.sha256(image).hexdigest()
+        if digest != entry.sha256:
+            raise KernelIntegrityError(
+                f"cubin {path} has sha256 {digest}, the manifest records {entry.sha256}: "
+                "the file is corrupt or was replaced; regenerate or reinstall the kernels"
+            )
+        library = self.driver.load_library(image)
+        handle = self.driver.get_kernel(library, entry.symbol)
+        if entry.smem_bytes > 48 * 1024:  # beyond the default limit a kernel must opt in
+            self.driver.set_max_dynamic_smem(handle, entry.smem_bytes, device)
+        return LoadedKernel(entry, handle)
+
+    def launch(self, entry: KernelEntry, device: int, capability: tuple[int, int], grid: tuple[int, int, int],
+               params: ctypes.Structure, stream: int) -> None:
+        kernel = self.load(entry, device, capability)
+        self.driver.launch(kernel.handle, grid, (entry.threads, 1, 1), entry.smem_bytes, stream, params)
+
+
+@functools.lru_cache(maxsize=1)
+def default_registry() -> KernelRegistry:
+    return KernelRegistry()

@@ -1,0 +1,250 @@
+// Portable attention forward (FlashAttention-2 style): one CTA per (query tile, head, batch),
+// K/V tiles streamed through shared memory with cp.async, Q K^T and P V on mma.sync, an online
+// softmax in fp32 between them, and O and LSE written once at the end.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <flashkiln/common.hpp>
+#include <flashkiln/params.hpp>
+#include <flashkiln/portable/fwd_traits.hpp>
+#include <flashkiln/portable/online_softmax.hpp>
+#include <flashkiln/portable/tile_ops.hpp>
+
+namespace flashkiln::portable {
+
+using namespace cute;
+
+// Masks the scores of one (query tile, key tile) pair: keys past the sequence end, and keys a
+// causal mask hides. `coord` is the identity partition giving each score's (row, col) in the tile.
+template <Causal kCausal, class TensorS, class Coord>
+__device__ __forceinline__ void mask_scores(TensorS&& s, Coord const& coord, int row0, int col0, int seqlen_k,
+                                            int causal_offset) {
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(s); ++r) {
+    const int row = row0 + get<0>(coord(r, 0));
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      const int col = col0 + get<1>(coord(r, c));
+      bool hidden = col >= seqlen_k;
+      if constexpr (kCausal != Causal::none) {
+        hidden |= col > row + causal_offset;
+      }
+      if (hidden) {
+        s(r, c) = -kInfinity;
+      }
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM;
+  constexpr int kBlockN = T::kBlockN;
+  constexpr bool kIsCausal = T::kCausal != Causal::none;
+
+  extern __shared__ __align__(128) char smem[];
+  const int tidx = threadIdx.x;
+  // Under a causal mask later query tiles see more keys: start those first so that the grid's
+  // tail holds the short tiles.
+  const int m_block = kIsCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_kv = head / (p.heads_q / p.heads_kv);
+  // Key j is visible to query i iff j <= i + causal_offset.
+  const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  const int q_rows = min(kBlockM, p.seqlen_q - m_block * kBlockM);
+
+  // Key tiles this query tile needs: all of them, or those up to the last visible key.
+  int n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  if constexpr (kIsCausal) {
+    const int last_visible = m_block * kBlockM + q_rows - 1 + causal_offset;
+    n_blocks = last_visible < 0 ? 0 : min(n_blocks, last_visible / kBlockN + 1);
+  }
+
+  // ---- global tensors for this (batch, head) -----------------------------------------------
+  auto q_base = reinterpret_cast<Element const*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
+  auto k_base = reinterpret_cast<Element const*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
+  auto v_base = reinterpret_cast<Element const*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
+  auto o_base = reinterpret_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  Tensor mQ = make_tensor(make_gmem_ptr(q_base), make_shape(p.seqlen_q, Int<T::kDimQK>{}),
+                          make_stride(p.q_row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(k_base), make_shape(p.seqlen_k, Int<T::kDimQK>{}),
+                          make_stride(p.k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(v_base), make_shape(p.seqlen_k, Int<T::kDimV>{}),
+                          make_stride(p.v_row_stride, _1{}));
+  Tensor mO = make_tensor(make_gmem_ptr(o_base), make_shape(p.seqlen_q, Int<T::kDimV>{}),
+                          make_stride(p.o_row_stride, _1{}));
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<T::kDimQK>>{}, make_coord(m_block, 0));  // (M, dqk)
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<T::kDimQK>>{}, make_coord(_, 0));        // (N, dqk, n)
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<T::kDimV>>{}, make_coord(_, 0));         // (N, dv, n)
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<T::kDimV>>{}, make_coord(m_block, 0));   // (M, dv)
+
+  // ---- shared tensors: Q (then O), and kStages buffers of K and V ----------------------------
+  Element* smem_q = reinterpret_cast<Element*>(smem);
+  Element* smem_k = smem_q + T::kElemsQO;
+  Element* smem_v = smem_k + T::kStages * T::kElemsK;
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutQ{});
+  Tensor sO = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutO{});
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename T::SmemLayoutK{});  // stage 0
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename T::SmemLayoutV{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem_v), typename T::SmemLayoutVt{});
+  Tensor sVtPlain = make_tensor(make_smem_ptr(smem_v), typename T::SmemLayoutVtPlain{});
+
+  // ---- global -> shared copies, with identity tensors for row predicates -----------------------
+  typename T::GmemCopyQK::AsyncLoad load_qk;
+  typename T::GmemCopyVO::AsyncLoad load_v;
+  auto thr_load_qk = load_qk.get_thread_slice(tidx);
+  auto thr_load_v = load_v.get_thread_slice(tidx);
+  Tensor tQgQ = thr_load_qk.partition_S(gQ);
+  Tensor tQsQ = thr_load_qk.partition_D(sQ);
+  Tensor tKgK = thr_load_qk.partition_S(gK);  // (CPY, CPY_N, CPY_D, n)
+  Tensor tKsK = thr_load_qk.partition_D(sK);
+  Tensor tVgV = thr_load_v.partition_S(gV);
+  Tensor tVsV = thr_load_v.partition_D(sV);
+  Tensor tQcQ = thr_load_qk.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<T::kDimQK>>{}));
+  Tensor tKcK = thr_load_qk.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<T::kDimQK>>{}));
+  Tensor tVcV = thr_load_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<T::kDimV>>{}));
+
+  auto load_k = [&](int n_block, int stage) {
+    copy_rows<true>(load_qk, tKgK(_, _, _, n_block), at_offset(tKsK, stage * T::kElemsK), tKcK,
+                    p.seqlen_k - n_block * kBlockN);
+  };
+  auto load_v_tile = [&](int n_block, int stage) {
+    copy_rows<true>(load_v, tVgV(_, _, _, n_block), at_offset(tVsV, stage * T::kElemsV), tVcV,
+                    p.seqlen_k - n_block * kBlockN);
+  };
+
+  // ---- MMA partitions and shared -> register copies --------------------------------------------
+  typename T::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_slice(tidx);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);         // (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);         // (MMA, MMA_N, MMA_K)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtPlain);  // (MMA, MMA_DV, MMA_N)
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<T::kDimV>>{});
+  clear(acc_o);
+
+  auto smem_copy_q = make_tiled_copy_A(typename T::SmemLoad{}, tiled_mma);
+  auto thr_copy_q = smem_copy_q.get_thread_slice(tidx);
+  Tensor tSsQ = thr_copy_q.partition_S(sQ);
+  auto smem_copy_k = make_tiled_copy_B(typename T::SmemLoad{}, tiled_mma);
+  auto thr_copy_k = smem_copy_k.get_thread_slice(tidx);
+  Tensor tSsK = thr_copy_k.partition_S(sK);
+  auto smem_copy_v = make_tiled_copy_B(typename T::SmemLoadTransposed{}, tiled_mma);
+  auto thr_copy_v = smem_copy_v.get_thread_slice(tidx);
+  Tensor tOsVt = thr_copy_v.partition_S(sVt);
+
+  // (row, col) of every score this thread holds, for masking.
+  Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+
+  constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
+  OnlineSoftmax<kRows> softmax;
+
+  if (n_blocks > 0) {
+    // ---- prologue: Q and the first key tile (both tiles' K and V with two stages) -------------
+    int n_block = n_blocks - 1;
+    copy_rows<true>(load_qk, tQgQ, tQsQ, tQcQ, q_rows);
+    load_k(n_block, 0);
+    if constexpr (T::kStages == 2) {
+      load_v_tile(n_block, 0);
+      cp_async_fence();
+      if (n_block > 0) {
+        load_k(n_block - 1, 1);
+        load_v_tile(n_block - 1, 1);
+      }
+    }
+    cp_async_fence();
+
+    // ---- main loop over key tiles, last to first (the partial and masked tiles come first) --
+    for (int step = 0; n_block >= 0; ++step, --n_block) {
+      const int stage = T::kStages == 2 ? (step & 1) : 0;
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+
+      if constexpr (T::kStages == 1) {
+        cp_async_wait<0>();
+        __syncthreads();  // K(n) has landed, and every warp is done reading V(n + 1)
+        load_v_tile(n_block, 0);
+        cp_async_fence();
+      } else {
+        cp_async_wait<1>();
+        __syncthreads();  // K(n) and V(n) have landed
+      }
+
+      gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage * T::kElemsK), smem_copy_q,
+                     smem_copy_k, thr_copy_q, thr_copy_k);
+
+      const bool past_end = (n_block + 1) * kBlockN > p.seqlen_k;
+      const bool on_diagonal = kIsCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + causal_offset;
+      if (past_end || on_diagonal) {
+        mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * kBlockM, n_block * kBlockN, p.seqlen_k,
+                                causal_offset);
+      }
+
+      if constexpr (T::kStages == 1) {
+        cp_async_wait<0>();
+        __syncthreads();  // V(n) has landed, and every warp is done reading K(n)
+        if (n_block > 0) {
+          load_k(n_block - 1, 0);
+          cp_async_fence();
+        }
+      }
+
+      if (step == 0) {
+        softmax.template update<true>(rowcol(acc_s), rowcol(acc_o), p.scale_log2);
+      } else {
+        softmax.template update<false>(rowcol(acc_s), rowcol(acc_o), p.scale_log2);
+      }
+
+      Tensor rP = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+      gemm_regs_smem(tiled_mma, acc_o, tOrP, tOrVt, at_offset(tOsVt, stage * T::kElemsV), smem_copy_v,
+                     thr_copy_v);
+
+      if constexpr (T::kStages == 2) {
+        __syncthreads();  // every warp is done reading this stage's K and V
+        if (n_block >= 2) {
+          load_k(n_block - 2, stage);
+          load_v_tile(n_block - 2, stage);
+        }
+        cp_async_fence();  // possibly empty: keeps one group per step for the wait above
+      }
+    }
+  }
+
+  // ---- epilogue: normalize, O through shared memory to 16-byte global stores, then LSE ---------
+  float lse[kRows];
+  softmax.finalize(rowcol(acc_o), p.scale, lse);
+  Tensor rO = convert_fragment<Element>(acc_o);
+
+  __syncthreads();  // O reuses Q's shared memory
+  auto smem_store_o = make_tiled_copy_C(typename T::SmemStoreO{}, tiled_mma);
+  auto thr_store_o = smem_store_o.get_thread_slice(tidx);
+  copy(smem_store_o, thr_store_o.retile_S(rO), thr_store_o.partition_D(sO));
+  __syncthreads();
+
+  typename T::GmemCopyVO::Move move_o;
+  auto thr_move_o = move_o.get_thread_slice(tidx);
+  Tensor tOsO = thr_move_o.partition_S(sO);
+  Tensor tOgO = thr_move_o.partition_D(gO);
+  Tensor tOcO = thr_move_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<T::kDimV>>{}));
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  copy(move_o, tOsO, tOrO);
+  copy_rows<false>(move_o, tOrO, tOgO, tOcO, q_rows);
+
+  // The thread holding column 0 of a row writes that row's LSE.
+  Tensor tOcAcc = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<T::kDimV>>{})));
+  if (get<1>(tOcAcc(0, 0)) == 0) {
+    float* lse_row = reinterpret_cast<float*>(p.lse) + (int64_t(batch) * p.heads_q + head) * p.seqlen_q + m_block * kBlockM;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = get<0>(tOcAcc(r, 0));
+      if (row < q_rows) {
+        lse_row[row] = lse[r];
+      }
+    }
+  }
+}
+
+}  // namespace flashkiln::portable

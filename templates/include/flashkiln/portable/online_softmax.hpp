@@ -1,0 +1,83 @@
+// Online (streaming) softmax over key tiles, in fp32 and base 2. Rows that see no key at all
+// (every score -inf) end with O = 0 and LSE = -inf, never NaN.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <flashkiln/common.hpp>
+#include <flashkiln/portable/tile_ops.hpp>
+
+namespace flashkiln::portable {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+  // Running row maximum of the raw scores (before scaling) and this thread's partial row sum of
+  // exp(scale * (s - max)); the quad's partial sums are combined once, at the end.
+  float row_max[kRows];
+  float row_sum[kRows];
+
+  __device__ __forceinline__ OnlineSoftmax() {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -kInfinity;
+      row_sum[r] = 0.f;
+    }
+  }
+
+  // Turn the scores `s` (rows, cols) of one key tile into unnormalized probabilities in place
+  // and rescale the running output `o` (rows, d_v) to the new row maxima.
+  template <bool kFirstTile, class TensorS, class TensorO>
+  __device__ __forceinline__ void update(TensorS&& s, TensorO&& o, float scale_log2) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float tile_max = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        tile_max = fmaxf(tile_max, s(r, c));
+      }
+      const float new_max = quad_allreduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
+      // A row with no visible key so far keeps max -inf; subtracting 0 instead keeps exp2 at 0.
+      const float new_max_scaled = new_max == -kInfinity ? 0.f : new_max * scale_log2;
+      if constexpr (!kFirstTile) {
+        // Nothing accumulated yet when the old max is -inf: the factor only has to stay finite.
+        const float rescale =
+            row_max[r] == -kInfinity ? 0.f : exp2f(row_max[r] * scale_log2 - new_max_scaled);
+        row_sum[r] *= rescale;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o); ++c) {
+          o(r, c) *= rescale;
+        }
+      }
+      row_max[r] = new_max;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        const float p = exp2f(fmaf(s(r, c), scale_log2, -new_max_scaled));
+        s(r, c) = p;
+        sum += p;
+      }
+      row_sum[r] += sum;
+    }
+  }
+
+  // Normalize `o` and return each row's natural-log sum-exp of the scaled scores in `lse`.
+  template <class TensorO>
+  __device__ __forceinline__ void finalize(TensorO&& o, float scale, float (&lse)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_allreduce(row_sum[r], [](float a, float b) { return a + b; });
+      const bool empty = sum == 0.f;
+      const float inv = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? -kInfinity : row_max[r] * scale + logf(sum);
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) {
+        o(r, c) *= inv;
+      }
+    }
+  }
+};
+
+}  // namespace flashkiln::portable

@@ -1,0 +1,66 @@
+"""Reference attention in plain PyTorch and the comparison rules of shared/CONVENTIONS.md."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def visible_mask(sq: int, sk: int, causal: str | None, device: torch.device) -> torch.Tensor | None:
+    """(S_q, S_k) bool, True where key j is visible to query i; None when everything is."""
+    if causal is None:
+        return None
+    offset = sk - sq if causal == "bottom_right" else 0
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    return j <= i + offset
+
+
+@dataclass(frozen=True)
+class Reference:
+    out: torch.Tensor  # (B, H_q, S_q, d_v)
+    lse: torch.Tensor  # (B, H_q, S_q), fp32; -inf where a row sees no key
+    empty_rows: torch.Tensor  # (B, H_q, S_q) bool: rows that see no key
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None, scale: float | None,
+                        compute_dtype: torch.dtype) -> Reference:
+    """softmax(scale q kᵀ) v computed in `compute_dtype` (fp32 for REF32, the input dtype for REFLP).
+
+    Rows that see no key follow the convention (O = 0, LSE = -inf) instead of PyTorch's NaN.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    mask = visible_mask(q.shape[2], k.shape[2], causal, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    empty = torch.isneginf(lse) if k.shape[2] else torch.ones_like(lse, dtype=torch.bool)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)
+    out = out.masked_fill(empty[..., None], 0.0)
+    lse = lse.masked_fill(empty, float("-inf"))
+    return Reference(out, lse, empty)
+
+
+def fa_style_check(name: str, got: torch.Tensor, ref32: torch.Tensor, reflp: torch.Tensor, k: float,
+                   repro: str, floor: float = 1e-5) -> None:
+    """Rule FA-style(k): max|got - REF32| <= k * max|REFLP - REF32| + floor, on finite reference values;
+    where the reference is infinite (-inf LSE) `got` must equal it exactly."""
+    got, ref32, reflp = got.float(), ref32.float(), reflp.float()
+    assert not torch.isnan(got).any(), f"{name}: {int(torch.isnan(got).sum())} NaN values\n{repro}"
+    finite = torch.isfinite(ref32)
+    assert torch.equal(got[~finite], ref32[~finite]), f"{name}: infinite reference entries not reproduced\n{repro}"
+    assert torch.isfinite(got[finite]).all(), f"{name}: Inf values where the reference is finite\n{repro}"
+    if not finite.any():
+        return
+    err = (got[finite] - ref32[finite]).abs().max().item()
+    base = (reflp[finite] - ref32[finite]).abs().max().item()
+    bound = k * base + floor
+    assert err <= bound, (f"{name}: max|y - REF32| = {err:.3g} exceeds {k} * max|REFLP - REF32| ({base:.3g}) "
+                          f"+ {floor:g} = {bound:.3g}\n{repro}")

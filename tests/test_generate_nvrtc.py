@@ -1,0 +1,96 @@
+"""NVRTC end to end on the CPU: a tiny spec for both arches -> cubins, SASS, manifest, cache."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flashkiln.generator import build
+from flashkiln.generator.nvrtc import CompileError, compile_cubin
+from flashkiln.generator.render import render
+from flashkiln.generator.sass import disassemble, opcode_counts
+from flashkiln.generator.specs import load_variants
+from flashkiln.generator.toolchain import toolchain
+from flashkiln.manifest import Manifest
+from flashkiln.registry import KernelRegistry
+
+pytestmark = pytest.mark.nvrtc
+
+# The smallest tile the portable forward accepts: one warp, 16 x 16, d = 32.
+TINY_TUNING = {"tile_m": 16, "tile_n": 16, "warps": 1, "stages": 1}
+
+
+def _tiny_specs(root: Path) -> Path:
+    (root / "tuning").mkdir(parents=True)
+    (root / "tiny.yaml").write_text(yaml.safe_dump({
+        "family": "portable", "tuning": "tuning/portable.yaml",
+        "variants": [{"kernel": ["fwd"], "arch": ["sm_80", "sm_90a"], "dtype": ["bf16"], "head_dims": [32],
+                      "causal": ["bottom_right"]}],
+    }))
+    (root / "tuning" / "portable.yaml").write_text(yaml.safe_dump(
+        {"fwd": {"sm_80": {32: TINY_TUNING}, "sm_90a": {32: TINY_TUNING}}}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> tuple[Path, Path, Manifest]:
+    root = tmp_path_factory.mktemp("nvrtc")
+    specs, cache = _tiny_specs(root / "specs"), root / "cache"
+    manifest = build.generate(specs, root / "out", workers=2, cache_dir=cache, progress=False)
+    return specs, cache, manifest
+
+
+def test_manifest_records_each_cubin(generated):
+    _, _, manifest = generated
+    assert sorted(k.arch for k in manifest.kernels) == ["sm_80", "sm_90a"]
+    on_disk = json.loads((manifest.directory / "manifest.json").read_text())
+    assert on_disk["build"]["toolchain"]["nvidia-cutlass"] == "4.2.0.0"
+    for k in manifest.kernels:
+        cubin = manifest.directory / k.cubin
+        assert cubin.stat().st_size == k.cubin_bytes > 0
+        assert k.threads == 32 and k.smem_bytes == 2 * (16 * 32 + 16 * 64)
+        assert k.registers > 0 and k.nvrtc_version == toolchain().versions["nvrtc"]
+        assert (manifest.directory / "src" / f"{k.name}.cu").is_file()
+    # The runtime reads what the generator wrote.
+    loaded = KernelRegistry(manifest.directory).manifest
+    assert [k.hash for k in loaded.kernels] == [k.hash for k in manifest.kernels]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_sass_has_tensor_core_mma_and_async_copies(generated, arch):
+    _, _, manifest = generated
+    entry = next(k for k in manifest.kernels if k.arch == arch)
+    sass = disassemble(manifest.directory / entry.cubin)
+    assert f"arch = {arch}" in sass or f"arch = {arch.rstrip('a')}" in sass
+    ops = opcode_counts(sass)
+    assert ops["HMMA"] > 0, "expected mma.sync (HMMA) in the portable family"
+    assert ops["LDSM"] > 0, "expected ldmatrix (LDSM)"
+    assert ops["LDGSTS"] > 0, "expected cp.async (LDGSTS)"
+    assert ops["HGMMA"] == 0, "the portable family must not use wgmma"
+    assert entry.symbol in sass
+
+
+def test_warm_cache_compiles_nothing(generated, tmp_path, monkeypatch):
+    specs, cache, first = generated
+
+    def no_compile(jobs, workers, progress):
+        raise AssertionError(f"recompiled {[j.variant.descriptor.name for j in jobs]}")
+
+    monkeypatch.setattr(build, "_compile_all", no_compile)
+    second = build.generate(specs, tmp_path / "out", workers=2, cache_dir=cache, progress=False)
+    assert [k.sha256 for k in second.kernels] == [k.sha256 for k in first.kernels]
+
+
+def test_params_layout_mismatch_fails_the_compile(generated):
+    """The static_asserts catch a C++ struct that differs from runtime/params.py."""
+    specs, _, _ = generated
+    variant = load_variants(specs)[0]
+    source = render(variant.descriptor, variant.spec_file)
+    tampered = source.replace("kAbiBytes[8] == 2", "kAbiBytes[16] == 2")  # claim `k` sits at offset 16
+    assert tampered != source
+    with pytest.raises(CompileError) as info:
+        compile_cubin(tampered, variant.descriptor.name, toolchain().options(variant.descriptor.arch))
+    assert "params.k: size or offset differs" in str(info.value)
+    assert variant.descriptor.name in str(info.value)

@@ -1,0 +1,316 @@
+"""Spec files: expansion into descriptors, and errors that name file, line and key (CPU only)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flashkiln.descriptor import VariantDescriptor
+from flashkiln.generator.specs import SpecError, load_variants
+
+REPO = Path(__file__).resolve().parent.parent
+
+GOOD_TUNING = """\
+fwd:
+  sm_80:
+    64: {tile_m: 128, tile_n: 64, warps: 4, stages: 1}
+    128: {tile_m: 128, tile_n: 64, warps: 4, stages: 1}
+    192: {tile_m: 128, tile_n: 64, warps: 4, stages: 1}
+    192x128: {tile_m: 128, tile_n: 64, warps: 4, stages: 1}
+  sm_90a:
+    64: {tile_m: 128, tile_n: 64, warps: 4, stages: 1}
+    128: {tile_m: 128, tile_n: 64, warps: 4, stages: 2}
+"""
+
+SM80_ROW_64 = "64: {tile_m: 128, tile_n: 64, warps: 4, stages: 1}"  # line 3 of GOOD_TUNING
+
+
+def with_sm80_row_64(row: str) -> str:
+    """GOOD_TUNING with the sm_80 head-dim-64 row (line 3) replaced."""
+    return GOOD_TUNING.replace(SM80_ROW_64, row, 1)
+
+
+GOOD_SPEC = """\
+family: portable
+tuning: tuning/portable.yaml
+variants:
+  - kernel: [fwd]
+    arch: [sm_80, sm_90a]
+    dtype: [fp16]
+    head_dims: [64, 128]
+    causal: [none]
+"""
+
+
+def write_specs(root: Path, spec: str, tuning: str = GOOD_TUNING, name: str = "portable.yaml") -> Path:
+    """A specs/ directory under `root` with one spec file and tuning/portable.yaml."""
+    specs = root / "specs"
+    (specs / "tuning").mkdir(parents=True, exist_ok=True)
+    (specs / name).write_text(textwrap.dedent(spec))
+    (specs / "tuning" / "portable.yaml").write_text(textwrap.dedent(tuning))
+    return specs
+
+
+def expand(tmp_path: Path, spec: str, tuning: str = GOOD_TUNING) -> list[VariantDescriptor]:
+    return [v.descriptor for v in load_variants(write_specs(tmp_path, spec, tuning))]
+
+
+def spec_error(tmp_path: Path, spec: str, tuning: str = GOOD_TUNING) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load_variants(write_specs(tmp_path, spec, tuning))
+    return info.value
+
+
+def issue_for(error: SpecError, key: str, contains: str = ""):
+    """The single issue with this key path (and message fragment); fails listing them all otherwise."""
+    found = [i for i in error.issues if i.key == key and contains in i.message]
+    assert len(found) == 1, f"expected one issue {key!r} ~ {contains!r}, got:\n{error}"
+    return found[0]
+
+
+def assert_reported(error: SpecError, file: str, line: int, key: str, contains: str = "") -> None:
+    """One issue at file:line for `key`, and the exception text shows it with its location."""
+    issue = issue_for(error, key, contains)
+    assert (issue.where.file, issue.where.line) == (file, line), str(issue)
+    assert f"{file}:{line}: {key}: " in str(error)
+
+
+SPEC = "specs/portable.yaml"
+TUNING = "specs/tuning/portable.yaml"
+
+
+# -- expansion --------------------------------------------------------------------------------
+
+def test_default_specs_expand_to_36_unique_variants():
+    variants = load_variants(REPO / "specs")
+    assert len(variants) == 36
+    assert len({v.descriptor.hash for v in variants}) == 36
+    assert len({v.descriptor.name for v in variants}) == 36
+    assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
+    assert {v.descriptor.d_qk for v in variants} == {64, 128, 256}
+    assert all(v.spec_file == SPEC for v in variants)
+
+
+def test_small_spec_expands_to_its_cross_product_with_tuned_fields(tmp_path):
+    got = {(d.arch, d.d_qk, d.d_v, d.stages) for d in expand(tmp_path, GOOD_SPEC)}
+    assert got == {("sm_80", 64, 64, 1), ("sm_80", 128, 128, 1), ("sm_90a", 64, 64, 1), ("sm_90a", 128, 128, 2)}
+
+
+def test_exclude_removes_matching_combinations(tmp_path):
+    spec = GOOD_SPEC + "exclude:\n  - {arch: sm_80, head_dims: 128}\n  - {arch: sm_90a, head_dims: 64}\n"
+    got = {(d.arch, d.d_qk) for d in expand(tmp_path, spec)}
+    assert got == {("sm_80", 64), ("sm_90a", 128)}
+
+
+def test_head_dims_accepts_a_scalar(tmp_path):
+    got = expand(tmp_path, GOOD_SPEC.replace("arch: [sm_80, sm_90a]", "arch: [sm_80]").replace("[64, 128]", "64"))
+    assert [(d.d_qk, d.d_v) for d in got] == [(64, 64)]
+
+
+def test_head_dims_accepts_a_pair_and_a_list_of_dims(tmp_path):
+    spec = GOOD_SPEC.replace("arch: [sm_80, sm_90a]", "arch: [sm_80]").replace("[64, 128]", "[64, [192, 128]]")
+    assert sorted((d.d_qk, d.d_v) for d in expand(tmp_path, spec)) == [(64, 64), (192, 128)]
+    # A flat two-element list is two dims, not a pair.
+    spec = GOOD_SPEC.replace("arch: [sm_80, sm_90a]", "arch: [sm_80]").replace("[64, 128]", "[192, 128]")
+    assert sorted((d.d_qk, d.d_v) for d in expand(tmp_path / "flat", spec)) == [(128, 128), (192, 192)]
+
+
+def test_overlapping_groups_are_built_once(tmp_path):
+    group = GOOD_SPEC.split("variants:\n")[1]
+    assert len(expand(tmp_path, GOOD_SPEC + group)) == 4
+
+
+# -- errors: each names file, line and key ----------------------------------------------------
+
+def test_unknown_top_level_key(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC.replace("variants:", "colour: blue\nvariants:"))
+    assert_reported(error, SPEC, 3, "colour", "unknown key")
+
+
+def test_unknown_axis_key(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC.replace("causal:", "causl:"))
+    assert_reported(error, SPEC, 8, "variants[0].causl", "unknown key")
+    assert "causal" in issue_for(error, "variants[0].causl").message  # lists the expected keys
+
+
+@pytest.mark.parametrize(
+    "old, new, line, key, shown",
+    [
+        ("dtype: [fp16]", "dtype: [fp16, fp8]", 6, "variants[0].dtype", "'fp8'"),
+        ("arch: [sm_80, sm_90a]", "arch: [sm_70]", 5, "variants[0].arch", "'sm_70'"),
+        ("causal: [none]", 'causal: ["yes"]', 8, "variants[0].causal", "'yes'"),
+        ("causal: [none]", "causal: [yes]", 8, "variants[0].causal", "True"),  # YAML 1.1 reads yes as a bool
+        ("head_dims: [64, 128]", "head_dims: [64, 80]", 7, "variants[0].head_dims", "80"),
+        ("head_dims: [64, 128]", "head_dims: [[64, 128, 32]]", 7, "variants[0].head_dims", "expected d or [d_qk, d_v]"),
+        ("causal: [none]", "causal: [none]\n    deterministic: [true]", 9, "variants[0].deterministic", "True"),
+    ],
+)
+def test_unsupported_value(tmp_path, old, new, line, key, shown):
+    error = spec_error(tmp_path, GOOD_SPEC.replace(old, new))
+    assert_reported(error, SPEC, line, key, shown)
+    assert "supported" in issue_for(error, key, shown).message or "expected" in issue_for(error, key, shown).message
+
+
+def test_missing_required_axis(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC.replace("    dtype: [fp16]\n", ""))
+    assert_reported(error, SPEC, 4, "variants[0].dtype", "required axis is missing")
+
+
+def test_missing_required_axis_is_reported_once(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC.replace("    dtype: [fp16]\n", ""))
+    assert [i.key for i in error.issues] == ["variants[0].dtype"]
+
+
+def test_missing_top_level_key(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC.replace("tuning: tuning/portable.yaml\n", ""))
+    assert_reported(error, SPEC, 1, "tuning", "required key is missing")
+
+
+def test_empty_axis_list(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC.replace("causal: [none]", "causal: []"))
+    assert_reported(error, SPEC, 8, "variants[0].causal", "empty list")
+
+
+def test_missing_tuning_row_names_kernel_arch_and_dims(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC.replace("[64, 128]", "[64, 96]"))
+    # Only sm_80 and sm_90a at 96 are missing; each is reported at the group.
+    issues = [i for i in error.issues if "no tuning" in i.message]
+    assert len(issues) == 2 and len(error.issues) == 2
+    messages = sorted(i.message for i in issues)
+    assert messages[0].startswith(f"no tuning for fwd sm_80 head dims 96 in {TUNING}")
+    assert messages[1].startswith(f"no tuning for fwd sm_90a head dims 96 in {TUNING}")
+    assert_reported(error, SPEC, 4, "variants[0]", "fwd sm_80 head dims 96")
+    assert_reported(error, SPEC, 4, "variants[0]", "fwd sm_90a head dims 96")
+
+
+def test_missing_tuning_file(tmp_path):
+    specs = write_specs(tmp_path, GOOD_SPEC)
+    (specs / "tuning" / "portable.yaml").unlink()
+    with pytest.raises(SpecError) as info:
+        load_variants(specs)
+    assert_reported(info.value, SPEC, 2, "tuning", "does not exist")
+
+
+def test_tuning_row_with_unknown_field(tmp_path):
+    tuning = GOOD_TUNING.replace("128: {tile_m: 128, tile_n: 64, warps: 4, stages: 2}",
+                                 "128: {tile_m: 128, tile_n: 64, warps: 4, stages: 2, tile_k: 32}")
+    error = spec_error(tmp_path, GOOD_SPEC, tuning)
+    assert_reported(error, TUNING, 9, "fwd.sm_90a.128.tile_k", "unknown key")
+
+
+def test_tuning_row_with_missing_field(tmp_path):
+    tuning = with_sm80_row_64("64: {tile_m: 128, tile_n: 64, warps: 4}")
+    error = spec_error(tmp_path, GOOD_SPEC, tuning)
+    assert_reported(error, TUNING, 3, "fwd.sm_80.64", "missing performance field(s): stages")
+
+
+def test_tile_that_does_not_fit_shared_memory(tmp_path):
+    tuning = GOOD_TUNING.replace("  sm_90a:", "    256: {tile_m: 128, tile_n: 128, warps: 4, stages: 2}\n  sm_90a:")
+    spec = GOOD_SPEC.replace("arch: [sm_80, sm_90a]", "arch: [sm_80]").replace("[64, 128]", "[256]")
+    error = spec_error(tmp_path, spec, tuning)
+    issue = issue_for(error, "fwd.sm_80.256", "shared memory")
+    # 2 bytes * (128 * 256 + 2 stages * 128 * (256 + 256)) = 327680
+    assert "327680 bytes" in issue.message and "166912" in issue.message and "sm_80" in issue.message
+    assert (issue.where.file, issue.where.line) == (TUNING, 7)
+
+
+def test_tile_m_must_be_a_multiple_of_16_warps(tmp_path):
+    tuning = with_sm80_row_64("64: {tile_m: 64, tile_n: 64, warps: 8, stages: 1}")
+    error = spec_error(tmp_path, GOOD_SPEC, tuning)
+    assert_reported(error, TUNING, 3, "fwd.sm_80.64", "tile_m=64: must be a multiple of 16 * warps = 128")
+
+
+def test_invalid_performance_value_in_tuning(tmp_path):
+    tuning = with_sm80_row_64("64: {tile_m: 0, tile_n: 64, warps: 4, stages: 1}")
+    error = spec_error(tmp_path, GOOD_SPEC, tuning)
+    assert_reported(error, TUNING, 3, "fwd.sm_80.64", "tile_m=0 must be a positive integer")
+
+
+def test_spec_that_expands_to_nothing(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC + "exclude:\n  - {kernel: fwd}\n")
+    assert_reported(error, SPEC, 1, "variants", "expands to no variant")
+
+
+def test_exclude_with_several_values_per_axis(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC + "exclude:\n  - {arch: [sm_80, sm_90a]}\n")
+    assert_reported(error, SPEC, 10, "exclude[0].arch", "single value")
+
+
+def test_invalid_yaml_syntax(tmp_path):
+    spec = GOOD_SPEC.replace("dtype: [fp16]", "dtype: [fp16")
+    error = spec_error(tmp_path, spec)
+    assert len(error.issues) == 1
+    issue = error.issues[0]
+    assert issue.where.file == SPEC and "not valid YAML" in issue.message
+    assert f"{SPEC}:" in str(error)
+
+
+def test_invalid_yaml_syntax_names_the_offending_line(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC.replace("dtype: [fp16]", "dtype: [fp16"))
+    # PyYAML notices the unclosed flow sequence at the next key, line 7.
+    assert error.issues[0].where.line == 7
+
+
+def test_all_errors_of_a_file_are_reported_together(tmp_path):
+    spec = """\
+    family: portable
+    tuning: tuning/portable.yaml
+    colour: blue
+    variants:
+      - kernel: [fwd]
+        arch: [sm_70]
+        dtype: [fp8]
+        head_dims: [64]
+        causal: [none]
+      - kernel: [fwd]
+        arch: [sm_80]
+        dtype: [fp16]
+        head_dims: []
+        causal: [none]
+    """
+    error = spec_error(tmp_path, spec)
+    assert_reported(error, SPEC, 3, "colour", "unknown key")
+    assert_reported(error, SPEC, 6, "variants[0].arch", "sm_70")
+    assert_reported(error, SPEC, 7, "variants[0].dtype", "fp8")
+    assert_reported(error, SPEC, 13, "variants[1].head_dims", "empty list")
+    assert len(error.issues) == 4
+    assert str(error).startswith("4 problem(s) in the specs:")
+
+
+def test_errors_of_several_files_are_reported_together(tmp_path):
+    specs = write_specs(tmp_path, GOOD_SPEC.replace("dtype: [fp16]", "dtype: [fp8]"))
+    (specs / "second.yaml").write_text(GOOD_SPEC.replace("causal: [none]", "causal: [sideways]"))
+    with pytest.raises(SpecError) as info:
+        load_variants(specs)
+    assert_reported(info.value, SPEC, 6, "variants[0].dtype", "fp8")
+    assert_reported(info.value, "specs/second.yaml", 8, "variants[0].causal", "sideways")
+
+
+# -- command line -----------------------------------------------------------------------------
+
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashkiln.generator", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_cli_list_with_filter():
+    result = run_cli("list", "--specs", "specs", "--filter", "sm90a_bf16_d128")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3
+    expected = {d.name: d.hash for d in (v.descriptor for v in load_variants(REPO / "specs"))
+                if d.arch == "sm_90a" and d.dtype == "bf16" and d.d_qk == 128}
+    assert {tuple(line.split("  ")) for line in lines} == set(expected.items())
+    assert "fwd_portable_sm90a_bf16_d128_causal-br_237182ee  237182eecb24eada" in lines
+    assert "3 variant(s)" in result.stderr
+
+
+def test_cli_list_on_a_broken_spec_dir(tmp_path):
+    specs = write_specs(tmp_path, GOOD_SPEC.replace("dtype: [fp16]", "dtype: [fp8]"))
+    result = run_cli("list", "--specs", str(specs))
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: 1 problem(s) in the specs:")
+    assert f"{SPEC}:6: variants[0].dtype: unsupported value 'fp8'" in result.stderr

@@ -1,0 +1,36 @@
+"""A few small forward calls with ragged shapes, for compute-sanitizer (memcheck, racecheck).
+
+Run on a GPU machine: compute-sanitizer --tool memcheck tools/pyenv.sh python3 tools/sanitize_forward.py
+(set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import flashkiln
+
+CASES = [  # (B, H_q, H_kv, S_q, S_k, d, causal)
+    (1, 2, 1, 17, 129, 64, None),
+    (1, 2, 2, 129, 17, 128, "bottom_right"),
+    (2, 3, 1, 113, 200, 256, "top_left"),
+    (1, 1, 1, 1, 1, 128, None),
+]
+
+
+def main() -> int:
+    limit = int(sys.argv[1]) if len(sys.argv) > 1 else len(CASES)
+    for b, hq, hkv, sq, sk, d, causal in CASES[:limit]:
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
+        out, lse = flashkiln.attention_forward(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        print(f"B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} d={d} causal={causal}: "
+              f"finite={bool(torch.isfinite(out).all())}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
