@@ -33,7 +33,7 @@ test: $(VENV)/.installed
 # GPU tests on a machine with a GPU, using that machine's python3 (no installs) and the
 # cubins under $(OUT) built by `make generate` elsewhere.
 gpu-test:
-	tools/pyenv.sh $(GPU_PYTHON) -m pytest -q -m gpu -rs tests
+	FLASHKILN_REQUIRE_GPU=1 tools/pyenv.sh $(GPU_PYTHON) -m pytest -q -m gpu -rs --maxfail=40 $(PYTEST_ARGS) tests
 
 bench:
 	tools/pyenv.sh $(GPU_PYTHON) bench/bench.py --out build/bench

@@ -16,11 +16,11 @@ for step in $steps; do
       python3 -c 'import torch, cuda.bindings; print("torch", torch.__version__, "cuda-bindings", cuda.bindings.__version__, "cudnn", torch.backends.cudnn.version())'
       ;;
     test)
-      FLASHKILN_REQUIRE_GPU=1 timeout 420 make gpu-test 2>&1 | tee "$out/gpu-test.log" | tail -40
+      FLASHKILN_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-300} make gpu-test 2>&1 | tee "$out/gpu-test.log" | tail -40
       ;;
     sanitize)
       for tool in memcheck racecheck; do
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool $tool --print-limit 20 \
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 90 compute-sanitizer --tool $tool --print-limit 20 \
           tools/pyenv.sh python3 tools/sanitize_forward.py $([ $tool = racecheck ] && echo 2) 2>&1 \
           | tee "$out/sanitize-$tool.log" | tail -8
       done
@@ -28,7 +28,7 @@ for step in $steps; do
     bench)
       extra=()
       for d in build/sweep/c*/; do [ -f "$d/manifest.json" ] && extra+=(--extra-kernel-dir "$(basename "$d")=$d"); done
-      timeout 400 tools/pyenv.sh python3 bench/bench.py --out "$out" ${BENCH_ARGS:-} "${extra[@]}" 2>&1 | tee "$out/bench.log" | tail -60
+      timeout ${BENCH_TIMEOUT:-200} tools/pyenv.sh python3 bench/bench.py --out "$out" ${BENCH_ARGS:-} "${extra[@]}" 2>&1 | tee "$out/bench.log" | tail -60
       ;;
   esac
 done
