@@ -158,9 +158,13 @@ def chart(result: dict, path: Path) -> None:
             ax.set_xlabel("sequence length")
             ax.set_ylabel("TFLOP/s")
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 8), fontsize=9)
     fig.suptitle(f"attention forward, bf16, {result['device']} ({result['date'][:10]})")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
 
 

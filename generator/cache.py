@@ -55,7 +55,7 @@ class CompileCache:
             return None
         if meta.get("key") != key or hashlib.sha256(cubin).hexdigest() != meta.get("sha256"):
             return None  # torn or foreign entry: recompile and overwrite it
-        return CompileResult(cubin, meta["log"], meta["registers"], meta["spill_bytes"], meta["seconds"])
+        return CompileResult(cubin, meta["log"], meta["seconds"])
 
     def put(self, key: str, result: CompileResult) -> None:
         cubin_path, meta_path = self._paths(key)
@@ -64,8 +64,6 @@ class CompileCache:
             "key": key,
             "sha256": hashlib.sha256(result.cubin).hexdigest(),
             "log": result.log,
-            "registers": result.registers,
-            "spill_bytes": result.spill_bytes,
             "seconds": result.seconds,
         }
         with FileLock(str(cubin_path) + ".lock"):

@@ -15,12 +15,20 @@ class CompileError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Resources:
+    registers: int
+    spill_bytes: int  # spill stores + spill loads reported by ptxas
+
+
+@dataclass(frozen=True)
 class CompileResult:
     cubin: bytes
     log: str
-    registers: int
-    spill_bytes: int  # spill stores + spill loads reported by ptxas
     seconds: float
+
+    def resources(self, symbol: str) -> Resources:
+        """ptxas's report (-v) for one entry point of the unit."""
+        return resource_usage(self.log).get(symbol, Resources(-1, -1))
 
 
 def _check(result: tuple, what: str) -> tuple:
@@ -31,10 +39,17 @@ def _check(result: tuple, what: str) -> tuple:
     return result[1:]
 
 
-def _resource_usage(log: str) -> tuple[int, int]:
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return (int(regs.group(1)) if regs else -1, int(spills.group(1)) + int(spills.group(2)) if spills else 0)
+def resource_usage(log: str) -> dict[str, Resources]:
+    """Registers and spill bytes per entry function, from ptxas's -v report."""
+    usage = {}
+    for block in re.split(r"ptxas info\s+: Compiling entry function ", log)[1:]:
+        name = re.match(r"'(\w+)'", block)
+        regs = re.search(r"Used (\d+) registers", block)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        if name and regs:
+            spill = int(spills.group(1)) + int(spills.group(2)) if spills else 0
+            usage[name.group(1)] = Resources(int(regs.group(1)), spill)
+    return usage
 
 
 def compile_cubin(source: str, name: str, options: list[str]) -> CompileResult:
@@ -57,5 +72,4 @@ def compile_cubin(source: str, name: str, options: list[str]) -> CompileResult:
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    registers, spills = _resource_usage(log)
-    return CompileResult(cubin, log, registers, spills, time.perf_counter() - start)
+    return CompileResult(cubin, log, time.perf_counter() - start)

@@ -1,4 +1,9 @@
-"""Render one variant's translation unit from its Jinja template (StrictUndefined)."""
+"""Render translation units from Jinja templates (StrictUndefined).
+
+Variants that differ only in the fields a family marks as per-entry (element type, masking, ...)
+are rendered into one unit with one entry point each: they share almost every template
+instantiation, which makes compiling them together several times cheaper than one by one.
+"""
 from __future__ import annotations
 
 import functools
@@ -12,6 +17,9 @@ from . import GENERATOR_VERSION
 from .families import FAMILIES
 from .toolchain import TEMPLATES_DIR
 
+# Fields that may differ between the variants of one compile unit.
+PER_ENTRY_FIELDS = ("dtype", "causal", "bias", "deterministic")
+
 
 @functools.lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
@@ -23,21 +31,45 @@ def environment() -> jinja2.Environment:
     )
 
 
-def template_context(d: VariantDescriptor, spec_file: str) -> dict:
-    """Everything a template may use: the descriptor's own fields and values derived from them."""
-    family = FAMILIES[d.family]
+def unit_key(d: VariantDescriptor) -> tuple:
+    """Variants with equal keys are compiled together."""
+    return tuple(v for k, v in sorted(d.as_dict().items()) if k not in PER_ENTRY_FIELDS)
+
+
+def variant_context(d: VariantDescriptor) -> dict:
+    """What a template may use of one variant: its fields and values derived from them."""
     return {
         **d.as_dict(),
-        **family.template_context(d),
+        **FAMILIES[d.family].template_context(d),
         "name": d.name,
         "symbol": d.symbol,
+        "namespace": f"variant_{d.hash}",
         "canonical": d.canonical(),
-        "params": params_layout(d.kernel),
-        "spec_file": spec_file,
-        "generator_version": GENERATOR_VERSION,
     }
 
 
-def render(d: VariantDescriptor, spec_file: str) -> str:
-    template = environment().get_template(FAMILIES[d.family].template_name(d))
-    return template.render(**template_context(d, spec_file))
+def unit_context(descriptors: list[VariantDescriptor]) -> dict:
+    first = descriptors[0]
+    if any(unit_key(d) != unit_key(first) for d in descriptors):
+        raise ValueError("variants of one unit may differ only in " + ", ".join(PER_ENTRY_FIELDS))
+    return {
+        "family": first.family,
+        "kernel": first.kernel,
+        "arch": first.arch,
+        "params": params_layout(first.kernel),
+        "generator_version": GENERATOR_VERSION,
+        "variants": [variant_context(d) for d in descriptors],
+    }
+
+
+def template_for(d: VariantDescriptor) -> jinja2.Template:
+    return environment().get_template(FAMILIES[d.family].template_name(d))
+
+
+def render_unit(descriptors: list[VariantDescriptor]) -> str:
+    """One translation unit for `descriptors` (a pure function of them, so the compile cache is too)."""
+    return template_for(descriptors[0]).render(**unit_context(descriptors))
+
+
+def render(d: VariantDescriptor) -> str:
+    return render_unit([d])

@@ -34,7 +34,7 @@ class KernelEntry:
     params_layout: str  # digest of the parameter struct layout (flashkiln.params)
     registers: int
     spill_bytes: int
-    compile_seconds: float
+    compile_seconds: float  # of the compile unit (cubin) that holds it
     spec: str
     nvrtc_version: str
     cutlass_version: str

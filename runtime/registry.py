@@ -61,7 +61,9 @@ class KernelRegistry:
     def __init__(self, directory: Path | None = None, driver: Driver | None = None):
         self.directory = Path(directory) if directory is not None else default_kernel_dir()
         self._driver = driver
-        self._loaded: dict[tuple[str, int], LoadedKernel] = {}
+        self._libraries: dict[str, Any] = {}  # cubin file -> library handle
+        self._kernels: dict[str, LoadedKernel] = {}  # variant hash -> kernel handle
+        self._configured: set[tuple[str, int]] = set()  # (variant hash, device) with attributes set
         self._lock = threading.Lock()
 
     @functools.cached_property
@@ -117,24 +119,35 @@ class KernelRegistry:
 
     # -- loading and launching -----------------------------------------------------------------
     def load(self, entry: KernelEntry, device: int, capability: tuple[int, int]) -> LoadedKernel:
+        """The entry's kernel, ready to launch on `device`; cubins load once (a library is device independent)."""
         if not ARCHS[entry.arch].runs_on(capability):
             raise ArchMismatchError(
                 f"{entry.name} is built for {entry.arch}, which does not run on compute capability "
                 f"{capability[0]}.{capability[1]} (device {device})"
             )
-        key = (entry.hash, device)
         with self._lock:
-            if key not in self._loaded:
-                self._loaded[key] = self._load(entry, device)
-            return self._loaded[key]
+            kernel = self._kernels.get(entry.hash)
+            if kernel is None:
+                kernel = self._kernels[entry.hash] = LoadedKernel(entry, self._get_kernel(entry))
+            if (entry.hash, device) not in self._configured:
+                if entry.smem_bytes > 48 * 1024:  # beyond the default limit a kernel must opt in, per device
+                    self.driver.set_max_dynamic_smem(kernel.handle, entry.smem_bytes, device)
+                self._configured.add((entry.hash, device))
+            return kernel
 
-    def _load(self, entry: KernelEntry, device: int) -> LoadedKernel:
+    def _get_kernel(self, entry: KernelEntry) -> Any:
         expected_layout = params_layout(entry.descriptor["kernel"]).digest
         if entry.params_layout != expected_layout:
             raise ManifestError(
                 f"{entry.name} was built for parameter layout {entry.params_layout}, this runtime packs "
                 f"{expected_layout}: regenerate the kernels with this flashkiln version"
             )
+        library = self._libraries.get(entry.cubin)
+        if library is None:
+            library = self._libraries[entry.cubin] = self.driver.load_library(self._verified_image(entry))
+        return self.driver.get_kernel(library, entry.symbol)
+
+    def _verified_image(self, entry: KernelEntry) -> bytes:
         path = self.directory / entry.cubin
         try:
             image = path.read_bytes()
@@ -146,11 +159,7 @@ class KernelRegistry:
                 f"cubin {path} has sha256 {digest}, the manifest records {entry.sha256}: "
                 "the file is corrupt or was replaced; regenerate or reinstall the kernels"
             )
-        library = self.driver.load_library(image)
-        handle = self.driver.get_kernel(library, entry.symbol)
-        if entry.smem_bytes > 48 * 1024:  # beyond the default limit a kernel must opt in
-            self.driver.set_max_dynamic_smem(handle, entry.smem_bytes, device)
-        return LoadedKernel(entry, handle)
+        return image
 
     def launch(self, entry: KernelEntry, device: int, capability: tuple[int, int], grid: tuple[int, int, int],
                params: ctypes.Structure, stream: int) -> None:

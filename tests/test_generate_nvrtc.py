@@ -27,7 +27,7 @@ def _tiny_specs(root: Path) -> Path:
     (root / "tiny.yaml").write_text(yaml.safe_dump({
         "family": "portable", "tuning": "tuning/portable.yaml",
         "variants": [{"kernel": ["fwd"], "arch": ["sm_80", "sm_90a"], "dtype": ["bf16"], "head_dims": [32],
-                      "causal": ["bottom_right"]}],
+                      "causal": ["none", "bottom_right"]}],
     }))
     (root / "tuning" / "portable.yaml").write_text(yaml.safe_dump(
         {"fwd": {"sm_80": {32: TINY_TUNING}, "sm_90a": {32: TINY_TUNING}}}))
@@ -44,15 +44,18 @@ def generated(tmp_path_factory) -> tuple[Path, Path, Manifest]:
 
 def test_manifest_records_each_cubin(generated):
     _, _, manifest = generated
-    assert sorted(k.arch for k in manifest.kernels) == ["sm_80", "sm_90a"]
+    assert sorted(k.arch for k in manifest.kernels) == ["sm_80", "sm_80", "sm_90a", "sm_90a"]
+    # The two causal modes of one arch differ only in masking: one compile unit, one cubin.
+    cubins = {k.arch: {e.cubin for e in manifest.kernels if e.arch == k.arch} for k in manifest.kernels}
+    assert all(len(names) == 1 for names in cubins.values()) and cubins["sm_80"] != cubins["sm_90a"]
     on_disk = json.loads((manifest.directory / "manifest.json").read_text())
     assert on_disk["build"]["toolchain"]["nvidia-cutlass"] == "4.2.0.0"
     for k in manifest.kernels:
         cubin = manifest.directory / k.cubin
         assert cubin.stat().st_size == k.cubin_bytes > 0
         assert k.threads == 32 and k.smem_bytes == 2 * (16 * 32 + 16 * 64)
-        assert k.registers > 0 and k.nvrtc_version == toolchain().versions["nvrtc"]
-        assert (manifest.directory / "src" / f"{k.name}.cu").is_file()
+        assert 0 < k.registers <= 255 and k.spill_bytes >= 0 and k.nvrtc_version == toolchain().versions["nvrtc"]
+        assert k.symbol in (manifest.directory / "src" / k.cubin.replace(".cubin", ".cu")).read_text()
     # The runtime reads what the generator wrote.
     loaded = KernelRegistry(manifest.directory).manifest
     assert [k.hash for k in loaded.kernels] == [k.hash for k in manifest.kernels]
@@ -61,22 +64,22 @@ def test_manifest_records_each_cubin(generated):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_sass_has_tensor_core_mma_and_async_copies(generated, arch):
     _, _, manifest = generated
-    entry = next(k for k in manifest.kernels if k.arch == arch)
-    sass = disassemble(manifest.directory / entry.cubin)
-    assert f"arch = {arch}" in sass or f"arch = {arch.rstrip('a')}" in sass
+    entries = [k for k in manifest.kernels if k.arch == arch]
+    sass = disassemble(manifest.directory / entries[0].cubin)
+    assert f".target\t{arch}" in sass
     ops = opcode_counts(sass)
     assert ops["HMMA"] > 0, "expected mma.sync (HMMA) in the portable family"
     assert ops["LDSM"] > 0, "expected ldmatrix (LDSM)"
     assert ops["LDGSTS"] > 0, "expected cp.async (LDGSTS)"
     assert ops["HGMMA"] == 0, "the portable family must not use wgmma"
-    assert entry.symbol in sass
+    assert all(e.symbol in sass for e in entries)
 
 
 def test_warm_cache_compiles_nothing(generated, tmp_path, monkeypatch):
     specs, cache, first = generated
 
-    def no_compile(jobs, workers, progress):
-        raise AssertionError(f"recompiled {[j.variant.descriptor.name for j in jobs]}")
+    def no_compile(units, workers, progress):
+        raise AssertionError(f"recompiled {[u.name for u in units]}")
 
     monkeypatch.setattr(build, "_compile_all", no_compile)
     second = build.generate(specs, tmp_path / "out", workers=2, cache_dir=cache, progress=False)
@@ -87,8 +90,8 @@ def test_params_layout_mismatch_fails_the_compile(generated):
     """The static_asserts catch a C++ struct that differs from runtime/params.py."""
     specs, _, _ = generated
     variant = load_variants(specs)[0]
-    source = render(variant.descriptor, variant.spec_file)
-    tampered = source.replace("kAbiBytes[8] == 2", "kAbiBytes[16] == 2")  # claim `k` sits at offset 16
+    source = render(variant.descriptor)
+    tampered = source.replace("kBytes[8] == 2", "kBytes[16] == 2")  # claim `k` sits at offset 16
     assert tampered != source
     with pytest.raises(CompileError) as info:
         compile_cubin(tampered, variant.descriptor.name, toolchain().options(variant.descriptor.arch))

@@ -177,15 +177,18 @@ def launch(registry: KernelRegistry, entry: KernelEntry, device: int = 0, capabi
     return params
 
 
-def test_launch_loads_once_per_device(tmp_path):
+def test_launch_loads_once_and_configures_each_device(tmp_path):
+    """A cuLibrary is device independent: one load; the shared-memory opt-in is per device."""
     registry, driver = fake_registry(tmp_path, all_variants())
     entry = registry.find(request(), (9, 0))
+    assert entry.smem_bytes > 48 * 1024
     launch(registry, entry)
     launch(registry, entry)
     assert [c[1] for c in driver.named("load_library")] == [fake_cubin(entry.variant)]
     assert [c[2] for c in driver.named("get_kernel")] == [entry.symbol]
     launch(registry, entry, device=1)
-    assert len(driver.named("load_library")) == 2
+    assert len(driver.named("load_library")) == 1 and len(driver.named("get_kernel")) == 1
+    assert [c[3] for c in driver.named("set_max_dynamic_smem")] == [0, 1]
     assert len(driver.named("launch")) == 3
 
 
