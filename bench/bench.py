@@ -1,13 +1,14 @@
-"""Forward attention benchmark: flashkiln beside torch's SDPA backends on the same shapes, one process.
+"""Attention benchmark: flashkiln beside torch's SDPA backends on the same shapes, in one process.
 
 Standard sweep (shared/CONVENTIONS.md): bf16, H = 2048 / d, B = 16384 / S, S in 512..16k,
-d in {64, 128, 256}, causal off and on. Each timing is the median of CUDA-event timings of single
-calls; before each timed call the GPU is kept busy with a sleep kernel, so host-side launch
-overhead overlaps it and only device time is measured. FLOPs: 4 * B * H * d * (visible (i, j)
-pairs), counted exactly under the causal mask.
+d in {64, 128, 256}, causal off and on; forward and backward. Each timing is the median of
+CUDA-event timings of single calls; before each timed call the GPU is kept busy with a sleep
+kernel, so host-side launch overhead overlaps it and only device time is measured. FLOPs: forward
+4 * B * H * d * (visible (i, j) pairs), exact under the causal mask; backward 2.5x that, its time
+the median of (forward + backward through autograd) minus the median forward.
 
 Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/bench [--quick]
-  [--kernel-dir LABEL=DIR ...]   also time the kernels of other generated directories
+  [--passes fwd bwd] [--extra-kernel-dir LABEL=DIR ...]  (other generated dirs: forward only)
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkiln
-from flashkiln.errors import VariantNotFoundError
+from flashkiln.errors import FlashkilnError
 from flashkiln.registry import KernelRegistry
 
 TORCH_BACKENDS = {
@@ -32,6 +33,7 @@ TORCH_BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -64,46 +66,85 @@ def matmul_peak_tflops() -> float:
     return 2 * 8192**3 / (time_ms(lambda: a @ b, 3, 10) * 1e-3) / 1e12
 
 
+def torch_sdpa(backend: SDPBackend, causal: bool) -> Attention:
+    def attend(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return attend
+
+
+def with_backward(attend: Attention, dout: torch.Tensor, deterministic: bool) -> Callable[[object], object]:
+    """(q, k, v) -> forward and backward through autograd (deterministic mode on for the backward)."""
+    def step(qkv):
+        for t in qkv:
+            t.grad = None  # no accumulation kernels in the timing
+        out = attend(*qkv)
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            out.backward(dout)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    return step
+
+
+def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, KernelRegistry | None]) -> dict:
+    """name -> (pass, attention function, deterministic backward?)"""
+    mode = "top_left" if causal else None
+    cases = {}
+    for name, backend in TORCH_BACKENDS.items():
+        for p in passes:
+            cases[(name, p)] = (torch_sdpa(backend, causal), False)
+    if "bwd" in passes:
+        cases[("flash-det", "bwd")] = (torch_sdpa(SDPBackend.FLASH_ATTENTION, causal), True)
+        cases[("flashkiln", "bwd")] = (lambda q, k, v: flashkiln.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, deterministic=False), False)
+        cases[("flashkiln-det", "bwd")] = (lambda q, k, v: flashkiln.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, deterministic=True), True)
+    if "fwd" in passes:
+        for name, registry in registries.items():
+            cases[(name, "fwd")] = ((lambda q, k, v, registry=registry: flashkiln.attention_forward(
+                q, k, v, causal=mode, registry=registry)[0]), False)
+    return cases
+
+
 def run(args: argparse.Namespace) -> dict:
     seqlens = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
-    head_dims = args.head_dims
-    registries = {"flashkiln": KernelRegistry(args.kernel_dir) if args.kernel_dir else None}
+    registries: dict[str, KernelRegistry | None] = {"flashkiln": KernelRegistry(args.kernel_dir) if args.kernel_dir else None}
     for spec in args.extra_kernel_dir:
         label, _, path = spec.partition("=")
         registries[f"flashkiln[{label}]"] = KernelRegistry(Path(path))
     rows = []
-    for d in head_dims:
+    for d in args.head_dims:
         for causal in (False, True):
             for s in seqlens:
                 b, h = 16384 // s, 2048 // d
                 gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
-                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-                           for _ in range(3))
-                flops = 4 * b * h * d * visible_pairs(s, s, causal)
-                cases: dict[str, Callable[[], object]] = {}
-                for name, backend in TORCH_BACKENDS.items():
-                    def call(backend=backend):
-                        with sdpa_kernel(backend):
-                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    cases[name] = call
-                for name, registry in registries.items():
-                    cases[name] = (lambda registry=registry: flashkiln.attention_forward(
-                        q, k, v, causal="top_left" if causal else None, registry=registry))
-                for name, fn in cases.items():
+                q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                                 for _ in range(4))
+                fwd_flops = 4 * b * h * d * visible_pairs(s, s, causal)
+                grad_qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+                for (name, p), (attend, deterministic) in cases_for(d, causal, args.passes, registries).items():
                     try:
-                        ms = time_ms(fn, args.warmup, args.reps)
-                    except (RuntimeError, VariantNotFoundError) as exc:
-                        print(f"  {name} d={d} causal={causal} S={s}: skipped ({str(exc).splitlines()[0]})",
+                        if p == "fwd":
+                            with torch.no_grad():
+                                ms = time_ms(lambda: attend(q, k, v), args.warmup, args.reps)
+                        else:
+                            step = with_backward(attend, dout, deterministic)
+                            ms = time_ms(lambda: step(grad_qkv), args.warmup, args.reps) \
+                                - time_ms(lambda: attend(*grad_qkv), args.warmup, args.reps)
+                    except (RuntimeError, FlashkilnError) as exc:
+                        print(f"  {name} {p} d={d} causal={causal} S={s}: skipped ({str(exc).splitlines()[0]})",
                               file=sys.stderr)
                         continue
-                    rows.append({"backend": name, "d": d, "causal": causal, "seqlen": s, "batch": b, "heads": h,
-                                 "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
-                    print(f"{name:>22} d={d:<3} causal={causal!s:<5} S={s:<5} {ms:8.3f} ms "
+                    flops = fwd_flops * (2.5 if p == "bwd" else 1.0)
+                    rows.append({"backend": name, "pass": p, "d": d, "causal": causal, "seqlen": s, "batch": b,
+                                 "heads": h, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
+                    print(f"{name:>22} {p} d={d:<3} causal={causal!s:<5} S={s:<5} {ms:8.3f} ms "
                           f"{rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
-                del q, k, v
-    cudnn = {(r["d"], r["causal"], r["seqlen"]): r["tflops"] for r in rows if r["backend"] == "cudnn"}
+                del q, k, v, dout, grad_qkv
+    cudnn = {(r["pass"], r["d"], r["causal"], r["seqlen"]): r["tflops"] for r in rows if r["backend"] == "cudnn"}
     for r in rows:
-        ref = cudnn.get((r["d"], r["causal"], r["seqlen"]))
+        ref = cudnn.get((r["pass"], r["d"], r["causal"], r["seqlen"]))
         r["vs_cudnn"] = r["tflops"] / ref if ref else None
     props = torch.cuda.get_device_properties(0)
     return {
@@ -116,17 +157,19 @@ def run(args: argparse.Namespace) -> dict:
         "kernel_build": {name: (reg or KernelRegistry()).manifest.build for name, reg in registries.items()},
         "bf16_matmul_tflops": matmul_peak_tflops(),
         "method": "median of CUDA-event timings of single calls after a sleep kernel; bf16; "
-                  "H=2048/d, B=16384/S; FLOPs 4*B*H*d*visible pairs",
+                  "H=2048/d, B=16384/S; FLOPs 4*B*H*d*visible pairs (backward 2.5x; its time "
+                  "median(fwd+bwd) - median(fwd))",
         "rows": rows,
     }
 
 
-def table(result: dict) -> str:
-    backends = sorted({r["backend"] for r in result["rows"]}, key=lambda n: (not n.startswith("flashkiln"), n))
-    lines = ["| d | causal | S | " + " | ".join(f"{b} TFLOP/s (x cuDNN)" for b in backends) + " |",
-             "|---|---|---|" + "---|" * len(backends)]
+def table(result: dict, p: str) -> str:
+    rows = [r for r in result["rows"] if r["pass"] == p]
+    backends = sorted({r["backend"] for r in rows}, key=lambda n: (not n.startswith("flashkiln"), n))
+    lines = [f"{'forward' if p == 'fwd' else 'backward'}, TFLOP/s (x cuDNN)", "",
+             "| d | causal | S | " + " | ".join(backends) + " |", "|---|---|---|" + "---|" * len(backends)]
     by_key: dict[tuple, dict[str, dict]] = {}
-    for r in result["rows"]:
+    for r in rows:
         by_key.setdefault((r["d"], r["causal"], r["seqlen"]), {})[r["backend"]] = r
     for (d, causal, s), cells in sorted(by_key.items()):
         text = []
@@ -137,19 +180,20 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def chart(result: dict, path: Path) -> None:
+def chart(result: dict, p: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dims = sorted({r["d"] for r in result["rows"]})
+    rows = [r for r in result["rows"] if r["pass"] == p]
+    dims = sorted({r["d"] for r in rows})
     fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
     for col, d in enumerate(dims):
         for row, causal in enumerate((False, True)):
             ax = axes[row][col]
-            for backend in sorted({r["backend"] for r in result["rows"]}):
-                pts = sorted((r["seqlen"], r["tflops"]) for r in result["rows"]
+            for backend in sorted({r["backend"] for r in rows}):
+                pts = sorted((r["seqlen"], r["tflops"]) for r in rows
                              if r["backend"] == backend and r["d"] == d and r["causal"] == causal)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
@@ -163,7 +207,8 @@ def chart(result: dict, path: Path) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 8), fontsize=9)
-    fig.suptitle(f"attention forward, bf16, {result['device']} ({result['date'][:10]})")
+    fig.suptitle(f"attention {'forward' if p == 'fwd' else 'backward'}, bf16, {result['device']} "
+                 f"({result['date'][:10]})")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
 
@@ -173,6 +218,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("build/bench"))
     parser.add_argument("--quick", action="store_true", help="S in {2k, 8k} only")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--kernel-dir", type=Path, help="flashkiln's kernels (default: the runtime's default)")
@@ -182,12 +228,14 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "forward.json").write_text(json.dumps(result, indent=1))
-    (args.out / "forward.md").write_text(table(result) + "\n")
-    chart(result, args.out / "forward.png")
+    (args.out / "bench.json").write_text(json.dumps(result, indent=1))
+    tables = "\n\n".join(table(result, p) for p in args.passes)
+    (args.out / "bench.md").write_text(tables + "\n")
+    for p in args.passes:
+        chart(result, p, args.out / f"{'forward' if p == 'fwd' else 'backward'}.png")
     print(f"\n{result['device']}, torch {result['torch']}, cuDNN {result['cudnn']}, "
           f"bf16 matmul {result['bf16_matmul_tflops']:.0f} TFLOP/s\n")
-    print(table(result))
+    print(tables)
 
 
 if __name__ == "__main__":

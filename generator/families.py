@@ -23,39 +23,91 @@ class Family(Protocol):
 
     def smem_bytes(self, d: VariantDescriptor) -> int: ...
 
+    def functional_errors(self, d: VariantDescriptor) -> list[str]: ...
+
     def tuning_errors(self, d: VariantDescriptor) -> list[str]: ...
 
     def template_context(self, d: VariantDescriptor) -> dict[str, Any]: ...
 
 
+def _row_warps(rows: int, cols: tuple[int, ...], warps: int) -> int:
+    """Mirror of row_warps() in portable/bwd_traits.hpp: warps splitting an accumulator's rows."""
+    wm = max(1, min(rows // 32, warps))
+    while wm < warps and (rows % (16 * wm) or any(c % (16 * (warps // wm)) for c in cols)):
+        wm *= 2
+    return wm
+
+
+def _gmem_rows_per_pass(threads: int, dim: int) -> int:
+    """Rows one pass of 16-byte copies covers: each row is split among (swizzle atom width / 8) threads."""
+    return threads // ((64 if dim % 64 == 0 else 32) // 8)
+
+
 class PortableFamily:
     """mma.sync kernels (templates/include/flashkiln/portable), for sm_80 and later."""
 
+    _TEMPLATES = {"fwd": "portable_fwd.cu.j2", "bwd": "portable_bwd.cu.j2",
+                  "bwd_pre": "portable_bwd_rows.cu.j2", "bwd_post": "portable_bwd_rows.cu.j2"}
+    ROW_KERNELS = ("bwd_pre", "bwd_post")
+
     def template_name(self, d: VariantDescriptor) -> str:
-        return f"portable_{d.kernel}.cu.j2"
+        return self._TEMPLATES[d.kernel]
 
     def threads(self, d: VariantDescriptor) -> int:
         return 32 * d.warps
 
     def smem_bytes(self, d: VariantDescriptor) -> int:
-        # Q (reused for O), then `stages` buffers of one K and one V tile.
-        q_or_o = d.tile_m * max(d.d_qk, d.d_v)
-        kv = d.tile_n * (d.d_qk + d.d_v)
-        return _ELEMENT_BYTES[d.dtype] * (q_or_o + d.stages * kv)
+        elem = _ELEMENT_BYTES[d.dtype]
+        if d.kernel == "fwd":
+            # Q (reused for O), then `stages` buffers of one K and one V tile.
+            return elem * (d.tile_m * max(d.d_qk, d.d_v) + d.stages * d.tile_n * (d.d_qk + d.d_v))
+        if d.kernel == "bwd":
+            # `stages` x (Q, dO), K and V, then P and dS.
+            return elem * (d.stages * d.tile_m * (d.d_qk + d.d_v) + d.tile_n * (d.d_qk + d.d_v)
+                           + 2 * d.tile_m * d.tile_n)
+        return 0
+
+    def functional_errors(self, d: VariantDescriptor) -> list[str]:
+        """Combinations of functional fields the kernel does not implement."""
+        errors = []
+        if d.kernel in ("fwd", *self.ROW_KERNELS) and d.deterministic:
+            errors.append(f"deterministic=true: {d.kernel} is deterministic by construction; only bwd has the axis")
+        if d.kernel in self.ROW_KERNELS and d.causal != "none":
+            errors.append(f"causal={d.causal}: {d.kernel} does not mask; list it with causal: [none]")
+        return errors
 
     def tuning_errors(self, d: VariantDescriptor) -> list[str]:
+        """Performance fields that the kernel's code or the target's shared memory cannot take."""
+        if d.kernel in self.ROW_KERNELS:
+            return self._row_tuning_errors(d)
+        return self._tile_tuning_errors(d)
+
+    def _row_tuning_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
         if d.warps not in (1, 2, 4, 8):
             errors.append(f"warps={d.warps}: must be 1, 2, 4 or 8")
+        if d.tile_m != 4 * d.warps:
+            errors.append(f"tile_m={d.tile_m}: {d.kernel} handles 4 rows per warp, so tile_m must be {4 * d.warps}")
+        if (d.tile_n, d.stages) != (1, 1):
+            errors.append(f"tile_n={d.tile_n}, stages={d.stages}: {d.kernel} has neither; both must be 1")
+        return errors
+
+    def _tile_tuning_errors(self, d: VariantDescriptor) -> list[str]:
+        errors = []
+        warps = (4, 8) if d.kernel == "bwd" else (1, 2, 4, 8)
+        if d.warps not in warps:
+            errors.append(f"warps={d.warps}: must be one of {', '.join(map(str, warps))}")
         if d.stages not in (1, 2):
-            errors.append(f"stages={d.stages}: must be 1 (staggered K/V) or 2 (double-buffered K/V)")
-        if d.tile_m % (16 * d.warps):
-            errors.append(f"tile_m={d.tile_m}: must be a multiple of 16 * warps = {16 * d.warps}")
-        if d.tile_n % 16:
-            errors.append(f"tile_n={d.tile_n}: must be a multiple of 16")
-        # 16-byte global copies: each row of a tile is split among (atom width / 8) threads.
+            errors.append(f"stages={d.stages}: must be 1 or 2")
+        if d.kernel == "fwd":
+            if d.tile_m % (16 * d.warps):
+                errors.append(f"tile_m={d.tile_m}: must be a multiple of 16 * warps = {16 * d.warps}")
+            if d.tile_n % 16:
+                errors.append(f"tile_n={d.tile_n}: must be a multiple of 16")
+        else:
+            errors += self._bwd_warp_grid_errors(d)
         for dim in {d.d_qk, d.d_v}:
-            rows_per_pass = self.threads(d) // ((64 if dim % 64 == 0 else 32) // 8)
+            rows_per_pass = _gmem_rows_per_pass(self.threads(d), dim)
             for tile_name, rows in (("tile_m", d.tile_m), ("tile_n", d.tile_n)):
                 if rows % rows_per_pass:
                     errors.append(f"{tile_name}={rows}: must be a multiple of {rows_per_pass} "
@@ -65,6 +117,19 @@ class PortableFamily:
             errors.append(f"tile {d.tile_m}x{d.tile_n} with {d.stages} stage(s) needs {smem} bytes of shared "
                           f"memory at d_qk={d.d_qk}, d_v={d.d_v}; {d.arch} allows {limit}")
         return sorted(set(errors))
+
+    def _bwd_warp_grid_errors(self, d: VariantDescriptor) -> list[str]:
+        if d.tile_m % 16 or d.tile_n % 32:
+            return [f"tile {d.tile_m}x{d.tile_n}: bwd needs tile_m a multiple of 16 and tile_n of 32"]
+        errors = []
+        gemms = (("S = Q K^T", d.tile_m, (d.tile_n,)), ("dK, dV", d.tile_n, (d.d_qk, d.d_v)),
+                 ("dQ", d.tile_m, (d.d_qk,)))
+        for what, rows, cols in gemms:
+            wm = _row_warps(rows, cols, d.warps)
+            if rows % (16 * wm) or any(c % (16 * (d.warps // wm)) for c in cols):
+                errors.append(f"tile {d.tile_m}x{d.tile_n} with {d.warps} warps does not split the {what} "
+                              f"accumulator ({rows} x {'/'.join(map(str, cols))}) into 16 x 16 warp tiles")
+        return errors
 
     def template_context(self, d: VariantDescriptor) -> dict[str, Any]:
         return {

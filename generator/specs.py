@@ -50,7 +50,7 @@ AXIS_DOMAINS: dict[str, tuple] = {
     "dtype": D.DTYPES,
     "causal": D.CAUSAL_MODES,
     "bias": D.BIAS_MODES,
-    "deterministic": (False,),
+    "deterministic": (False, True),
 }
 
 
@@ -86,7 +86,9 @@ class _Collector:
     issues: list[SpecIssue] = field(default_factory=list)
 
     def add(self, where: Where, key: str, message: str) -> None:
-        self.issues.append(SpecIssue(where, key, message))
+        issue = SpecIssue(where, key, message)
+        if issue not in self.issues:  # one problem shared by many expanded variants is reported once
+            self.issues.append(issue)
 
 
 def head_dims_key(d_qk: int, d_v: int) -> str:
@@ -196,7 +198,8 @@ def _tuning_row(table: LocatedDict, kernel: str, arch: str, dims: tuple[int, int
     return row if isinstance(row, LocatedDict) else None
 
 
-def _descriptor(fields: dict[str, Any], row: LocatedDict, context: str, out: _Collector) -> VariantDescriptor | None:
+def _descriptor(fields: dict[str, Any], row: LocatedDict, context: str, group_where: Where, group_context: str,
+                out: _Collector) -> VariantDescriptor | None:
     _check_keys(row, D.PERFORMANCE_FIELDS, context, out)
     missing = [k for k in D.PERFORMANCE_FIELDS if k not in row]
     if missing:
@@ -209,9 +212,13 @@ def _descriptor(fields: dict[str, Any], row: LocatedDict, context: str, out: _Co
             out.add(row.where, context.rstrip("."), p)
         return None
     desc = VariantDescriptor(**fields, **perf)
-    for p in FAMILIES[desc.family].tuning_errors(desc):
+    family = FAMILIES[desc.family]
+    functional = family.functional_errors(desc)
+    for p in functional:
+        out.add(group_where, group_context, p)
+    for p in family.tuning_errors(desc):
         out.add(row.where, context.rstrip("."), p)
-    return desc
+    return None if functional else desc
 
 
 def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) -> list[Variant]:
@@ -278,7 +285,7 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
                         f"{{{', '.join(f'{k}: ...' for k in D.PERFORMANCE_FIELDS)}}})")
                 continue
             row_context = f"{fields['kernel']}.{fields['arch']}.{head_dims_key(d_qk, d_v)}."
-            desc = _descriptor(fields, row, row_context, out)
+            desc = _descriptor(fields, row, row_context, where, f"variants[{gi}]", out)
             if desc is not None:
                 variants.append(Variant(desc, display, where))
     if not variants and not out.issues:

@@ -1,7 +1,8 @@
 """flashkiln: ahead-of-time generated fused attention kernels for NVIDIA GPUs."""
 __version__ = "0.1.0"
 
-from .attention import attention_forward
+from .forward import attention_forward
+from .backward import attention_backward
 from .descriptor import VariantDescriptor
 from .errors import (
     ArchMismatchError,
@@ -10,8 +11,10 @@ from .errors import (
     InvalidInputError,
     KernelIntegrityError,
     ManifestError,
+    UnsupportedError,
     VariantNotFoundError,
 )
+from .ops import scaled_dot_product_attention
 from .registry import KernelRegistry
 
 __all__ = [
@@ -23,6 +26,9 @@ __all__ = [
     "KernelRegistry",
     "ManifestError",
     "VariantDescriptor",
+    "UnsupportedError",
     "VariantNotFoundError",
+    "attention_backward",
     "attention_forward",
+    "scaled_dot_product_attention",
 ]

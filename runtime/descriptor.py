@@ -20,7 +20,7 @@ SCHEMA_VERSION = 1
 
 # Value domains of the functional axes: what the templates implement today. Specs are
 # validated against these; a value outside them is an error naming the allowed ones.
-KERNELS = ("fwd",)
+KERNELS = ("fwd", "bwd_pre", "bwd", "bwd_post")
 FAMILIES = ("portable",)
 DTYPES = ("fp16", "bf16")
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
@@ -111,7 +111,7 @@ def validation_errors(fields: dict[str, Any]) -> list[str]:
         "d_v": HEAD_DIMS,
         "causal": CAUSAL_MODES,
         "bias": BIAS_MODES,
-        "deterministic": (False,),
+        "deterministic": (False, True),
     }
     errors = []
     for key, allowed in domains.items():

@@ -10,6 +10,10 @@ class InvalidInputError(FlashkilnError, ValueError):
     """An argument has the wrong dtype, device, shape, stride, head dim or value."""
 
 
+class UnsupportedError(FlashkilnError, NotImplementedError):
+    """A valid request that flashkiln does not implement (yet)."""
+
+
 class ManifestError(FlashkilnError):
     """The kernel manifest is missing, unreadable or inconsistent."""
 

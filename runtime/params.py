@@ -45,9 +45,33 @@ class FwdParams(ctypes.Structure):
     ]
 
 
+def _strides(*tensors: str) -> list[tuple[str, type]]:
+    return [(f"{t}_{kind}_stride", ctypes.c_int64) for t in tensors for kind in ("batch", "head", "row")]
+
+
+class BwdParams(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_uint64) for name in (
+            "q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dq", "dk", "dv", "dk_accum", "dv_accum",
+            "dq_semaphore")),
+        *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
+        ("batch", ctypes.c_int32),
+        ("heads_q", ctypes.c_int32),
+        ("heads_kv", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("seqlen_q_rounded", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("scale_log2", ctypes.c_float),
+    ]
+
+
 # Which parameter struct each kernel takes: C++ type name and its ctypes mirror.
 PARAMS_BY_KERNEL: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "fwd": ("flashkiln::FwdParams", FwdParams),
+    "bwd_pre": ("flashkiln::BwdParams", BwdParams),
+    "bwd": ("flashkiln::BwdParams", BwdParams),
+    "bwd_post": ("flashkiln::BwdParams", BwdParams),
 }
 
 

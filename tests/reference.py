@@ -32,20 +32,38 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     """
     hq, hkv = q.shape[1], k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    q, k, v = (t if t.dtype == compute_dtype else t.to(compute_dtype) for t in (q, k, v))
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     mask = visible_mask(q.shape[2], k.shape[2], causal, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)
+    lse = torch.logsumexp(scores.detach().float(), dim=-1)
     empty = torch.isneginf(lse) if k.shape[2] else torch.ones_like(lse, dtype=torch.bool)
-    probs = torch.softmax(scores, dim=-1)
+    # A row that sees nothing gets finite scores before the softmax (no NaN, also in autograd) and
+    # its output is then zeroed, which zeroes its gradients too.
+    probs = torch.softmax(scores.masked_fill(empty[..., None], 0.0), dim=-1)
     out = torch.matmul(probs, v)
     out = out.masked_fill(empty[..., None], 0.0)
     lse = lse.masked_fill(empty, float("-inf"))
     return Reference(out, lse, empty)
+
+
+@dataclass(frozen=True)
+class GradReference:
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+
+def attention_grad_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                             causal: str | None, scale: float | None, compute_dtype: torch.dtype) -> GradReference:
+    """dq, dk, dv of attention_reference(...).out for upstream gradient `dout` (autograd in `compute_dtype`)."""
+    leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*leaves, causal, scale, compute_dtype)
+    ref.out.backward(dout.to(compute_dtype))
+    return GradReference(*(t.grad for t in leaves))
 
 
 def fa_style_check(name: str, got: torch.Tensor, ref32: torch.Tensor, reflp: torch.Tensor, k: float,

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import flashkiln
-from flashkiln import attention
-from flashkiln.attention import _check_outputs, _is_kernel_layout, _kernel_layout, plan_forward
+from flashkiln import inputs
+from flashkiln.forward import plan_forward
+from flashkiln.inputs import check_forward_outputs, is_kernel_layout, kernel_layout
 from test_registry import all_variants, descriptor, fake_registry  # tests/ is on sys.path (conftest.py)
 
 
@@ -36,7 +37,7 @@ def expect_invalid(registry, q, k, v, match: str, **kwargs) -> None:
     assert registry.fake_driver.calls == []
 
 
-# -- argument checks, in the order attention.py makes them ---------------------------------------
+# -- argument checks, in the order forward.py makes them ---------------------------------------
 
 def test_invalid_input_is_a_value_error():
     assert issubclass(flashkiln.InvalidInputError, ValueError)
@@ -128,21 +129,21 @@ def test_wrong_out_shape_is_refused(registry):
         ((2, 4, 33, 64), torch.float16, (2, 4, 33), torch.float16, "lse must be"),
     ],
 )
-def test_check_outputs(out_shape, out_dtype, lse_shape, lse_dtype, match):
+def testcheck_forward_outputs(out_shape, out_dtype, lse_shape, lse_dtype, match):
     q, _, _ = qkv()
     with pytest.raises(flashkiln.InvalidInputError, match=match):
-        _check_outputs(q, torch.zeros(out_shape, dtype=out_dtype), torch.zeros(lse_shape, dtype=lse_dtype), 64)
+        check_forward_outputs(q, torch.zeros(out_shape, dtype=out_dtype), torch.zeros(lse_shape, dtype=lse_dtype), 64)
 
 
 def test_check_outputs_layout():
     q, _, _ = qkv()
     lse = torch.zeros(2, 4, 33)
-    _check_outputs(q, torch.zeros(2, 4, 33, 64, dtype=q.dtype), lse, 64)  # fine
+    check_forward_outputs(q, torch.zeros(2, 4, 33, 64, dtype=q.dtype), lse, 64)  # fine
     strided_out = torch.zeros(2, 4, 33, 128, dtype=q.dtype)[..., ::2]
     with pytest.raises(flashkiln.InvalidInputError, match="contiguous head dim"):
-        _check_outputs(q, strided_out, lse, 64)
+        check_forward_outputs(q, strided_out, lse, 64)
     with pytest.raises(flashkiln.InvalidInputError, match="lse must be contiguous"):
-        _check_outputs(q, torch.zeros(2, 4, 33, 64, dtype=q.dtype), torch.zeros(2, 33, 4).transpose(1, 2), 64)
+        check_forward_outputs(q, torch.zeros(2, 4, 33, 64, dtype=q.dtype), torch.zeros(2, 33, 4).transpose(1, 2), 64)
 
 
 # -- plan_forward ---------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_plan_passes_strides_of_a_bshd_tensor_through(registry):
     q = torch.zeros(b, s, h, d, dtype=torch.float16).transpose(1, 2)  # (B, H, S, D) view of (B, S, H, D)
     k = torch.zeros(b, s, h, d, dtype=torch.float16).transpose(1, 2)
     v = torch.zeros(b, s, h, d, dtype=torch.float16).transpose(1, 2)
-    assert _kernel_layout(q) is q  # no copy needed
+    assert kernel_layout(q) is q  # no copy needed
     launch, _, _ = plan(registry, q, k, v)
     p = launch.params
     assert (p.q_batch_stride, p.q_head_stride, p.q_row_stride) == (s * h * d, d, h * d)
@@ -224,15 +225,15 @@ def test_plan_for_a_missing_variant(registry):
 
 def test_kernel_layout_keeps_an_aligned_tensor():
     t = torch.zeros(2, 3, 5, 64, dtype=torch.float16)
-    assert _kernel_layout(t) is t
+    assert kernel_layout(t) is t
 
 
 def test_kernel_layout_copies_a_strided_head_dim():
     t = torch.arange(2 * 3 * 5 * 128, dtype=torch.float32).to(torch.bfloat16).view(2, 3, 5, 128)[..., ::2]
     assert t.stride(-1) == 2
-    copy = _kernel_layout(t)
+    copy = kernel_layout(t)
     assert copy is not t and copy.data_ptr() != t.data_ptr()
-    assert copy.is_contiguous() and _is_kernel_layout(copy)
+    assert copy.is_contiguous() and is_kernel_layout(copy)
     assert torch.equal(copy, t)
 
 
@@ -242,28 +243,28 @@ def test_kernel_layout_copies_a_misaligned_base():
     assert storage.data_ptr() % 16 == 0
     t = storage[1:n + 1].view(2, 3, 5, 64)  # one element (2 bytes) past an aligned base
     assert t.data_ptr() % 16 == 2
-    copy = _kernel_layout(t)
+    copy = kernel_layout(t)
     assert copy is not t
-    assert copy.data_ptr() % 16 == 0 and _is_kernel_layout(copy)
+    assert copy.data_ptr() % 16 == 0 and is_kernel_layout(copy)
     assert torch.equal(copy, t)
 
 
 def test_kernel_layout_copies_an_unaligned_row_stride():
     t = torch.zeros(2, 3, 5, 72, dtype=torch.float16)[..., :64]  # row stride 72: fine (multiple of 8)
-    assert _kernel_layout(t) is t
+    assert kernel_layout(t) is t
     t = torch.zeros(2, 3, 5, 68, dtype=torch.float16)[..., :64]  # row stride 68: not 16-byte aligned
-    assert _kernel_layout(t) is not t
+    assert kernel_layout(t) is not t
 
 
 def test_kernel_layout_ignores_strides_of_unit_dims():
     t = torch.zeros(1, 3, 5, 68, dtype=torch.float16)[:, :1, :1, :64]  # only the head dim has extent > 1
-    assert _kernel_layout(t) is t
+    assert kernel_layout(t) is t
 
 
 def test_empty_like_layout_follows_q():
     q = torch.zeros(2, 50, 4, 64, dtype=torch.float16).transpose(1, 2)
-    out = attention._empty_like_layout(q, 32)
+    out = inputs.empty_in_memory_order(q, 32)
     assert out.shape == (2, 4, 50, 32)
     assert out.stride() == (50 * 4 * 32, 32, 4 * 32, 1)
     q = torch.zeros(2, 4, 50, 64, dtype=torch.float16)
-    assert attention._empty_like_layout(q, 32).is_contiguous()
+    assert inputs.empty_in_memory_order(q, 32).is_contiguous()

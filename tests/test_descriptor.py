@@ -207,14 +207,14 @@ def test_from_dict_rejects_unknown_fields():
         ({"d_v": 80}, "d_v=80"),
         ({"d_qk": True}, "d_qk=True"),
         ({"deterministic": 1}, "deterministic=1"),
-        ({"deterministic": True}, "deterministic=True"),
+        ({"deterministic": "yes"}, "deterministic='yes'"),
         ({"tile_m": 0}, "tile_m=0"),
         ({"tile_n": -16}, "tile_n=-16"),
         ({"warps": True}, "warps=True"),
         ({"stages": 1.0}, "stages=1.0"),
         ({"arch": "sm_70"}, "arch='sm_70'"),
         ({"causal": "yes"}, "causal='yes'"),
-        ({"kernel": "bwd"}, "kernel='bwd'"),
+        ({"kernel": "bwd_dq"}, "kernel='bwd_dq'"),
     ],
 )
 def test_invalid_values_raise(overrides, message):

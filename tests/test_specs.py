@@ -84,13 +84,17 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_36_unique_variants():
+def test_default_specs_expand_to_128_unique_variants():
     variants = load_variants(REPO / "specs")
-    assert len(variants) == 36
-    assert len({v.descriptor.hash for v in variants}) == 36
-    assert len({v.descriptor.name for v in variants}) == 36
+    # fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128), bwd 60, bwd_pre and bwd_post 10 each
+    assert len(variants) == 128
+    assert len({v.descriptor.hash for v in variants}) == 128
+    assert len({v.descriptor.name for v in variants}) == 128
     assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
-    assert {v.descriptor.d_qk for v in variants} == {64, 128, 256}
+    assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
+        (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
+    kinds = [v.descriptor.kernel for v in variants]
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post")] == [48, 60, 10, 10]
     assert all(v.spec_file == SPEC for v in variants)
 
 
@@ -145,7 +149,7 @@ def test_unknown_axis_key(tmp_path):
         ("causal: [none]", "causal: [yes]", 8, "variants[0].causal", "True"),  # YAML 1.1 reads yes as a bool
         ("head_dims: [64, 128]", "head_dims: [64, 80]", 7, "variants[0].head_dims", "80"),
         ("head_dims: [64, 128]", "head_dims: [[64, 128, 32]]", 7, "variants[0].head_dims", "expected d or [d_qk, d_v]"),
-        ("causal: [none]", "causal: [none]\n    deterministic: [true]", 9, "variants[0].deterministic", "True"),
+        ("causal: [none]", "causal: [none]\n    deterministic: [maybe]", 9, "variants[0].deterministic", "maybe"),
     ],
 )
 def test_unsupported_value(tmp_path, old, new, line, key, shown):
@@ -296,12 +300,12 @@ def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 
 def test_cli_list_with_filter():
-    result = run_cli("list", "--specs", "specs", "--filter", "sm90a_bf16_d128")
+    result = run_cli("list", "--specs", "specs", "--filter", "^fwd_portable_sm90a_bf16_d128_")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 3
     expected = {d.name: d.hash for d in (v.descriptor for v in load_variants(REPO / "specs"))
-                if d.arch == "sm_90a" and d.dtype == "bf16" and d.d_qk == 128}
+                if d.kernel == "fwd" and d.arch == "sm_90a" and d.dtype == "bf16" and d.d_qk == d.d_v == 128}
     assert {tuple(line.split("  ")) for line in lines} == set(expected.items())
     assert "3 variant(s)" in result.stderr
 

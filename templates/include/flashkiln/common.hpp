@@ -10,6 +10,7 @@ namespace flashkiln {
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 
 inline constexpr float kInfinity = cuda::std::numeric_limits<float>::infinity();
+inline constexpr float kLog2e = 1.4426950408889634f;
 
 template <class T>
 __host__ __device__ constexpr T ceil_div(T a, T b) {

@@ -24,4 +24,27 @@ struct FwdParams {
   int32_t _pad0;
 };
 
+// One block for every backward kernel (preprocess, main, postprocess); each reads what it needs.
+struct BwdParams {
+  uint64_t q, k, v, o, dout;  // inputs, (batch, heads, seqlen, dim) by strides
+  uint64_t lse;               // float (batch, heads_q, seqlen_q), dense, from the forward
+  uint64_t delta;             // float (batch, heads_q, seqlen_q), dense: rowsum(dO * O)
+  uint64_t dq_accum;          // float (batch, heads_q, seqlen_q_rounded, d_qk), dense
+  uint64_t dq, dk, dv;        // outputs by strides (dk/dv when heads_q == heads_kv)
+  uint64_t dk_accum, dv_accum;  // float (batch, heads_q, seqlen_k, d), dense: per query head (GQA)
+  uint64_t dq_semaphore;      // int (batch, heads_q, seqlen_q_rounded / tile_m), zeroed (deterministic)
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+  int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
+  int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
+  int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
+  int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  int32_t seqlen_q_rounded;  // rows of dq_accum per head: a multiple of the main kernel's tile_m
+  float scale;
+  float scale_log2;
+};
+
 }  // namespace flashkiln

@@ -8,34 +8,13 @@
 #include <flashkiln/common.hpp>
 #include <flashkiln/params.hpp>
 #include <flashkiln/portable/fwd_traits.hpp>
+#include <flashkiln/portable/masking.hpp>
 #include <flashkiln/portable/online_softmax.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
 
 namespace flashkiln::portable {
 
 using namespace cute;
-
-// Masks the scores of one (query tile, key tile) pair: keys past the sequence end, and keys a
-// causal mask hides. `coord` is the identity partition giving each score's (row, col) in the tile.
-template <Causal kCausal, class TensorS, class Coord>
-__device__ __forceinline__ void mask_scores(TensorS&& s, Coord const& coord, int row0, int col0, int seqlen_k,
-                                            int causal_offset) {
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(s); ++r) {
-    const int row = row0 + get<0>(coord(r, 0));
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(s); ++c) {
-      const int col = col0 + get<1>(coord(r, c));
-      bool hidden = col >= seqlen_k;
-      if constexpr (kCausal != Causal::none) {
-        hidden |= col > row + causal_offset;
-      }
-      if (hidden) {
-        s(r, c) = -kInfinity;
-      }
-    }
-  }
-}
 
 template <class T>
 __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
@@ -175,9 +154,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
       gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage * T::kElemsK), smem_copy_q,
                      smem_copy_k, thr_copy_q, thr_copy_k);
 
-      const bool past_end = (n_block + 1) * kBlockN > p.seqlen_k;
-      const bool on_diagonal = kIsCausal && (n_block + 1) * kBlockN - 1 > m_block * kBlockM + causal_offset;
-      if (past_end || on_diagonal) {
+      if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, p.seqlen_k, causal_offset)) {
         mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * kBlockM, n_block * kBlockN, p.seqlen_k,
                                 causal_offset);
       }

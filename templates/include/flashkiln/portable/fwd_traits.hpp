@@ -42,6 +42,11 @@ struct GmemTileCopy {
                                         ValueLayout{}));
 };
 
+// mma.sync.m16n8k16 with fp32 accumulators for the element type.
+template <class Element>
+using Sm80MmaAtom = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
+                                        SM80_16x8x16_F32BF16BF16F32_TN>;
+
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
           Causal kCausal_>
 struct FwdTraits {
@@ -63,8 +68,7 @@ struct FwdTraits {
   static_assert(kBlockM % (16 * kWarps) == 0, "tile_m must be a multiple of 16 * warps");
   static_assert(kBlockN % 16 == 0, "tile_n must be a multiple of 16 (the k-step of P V)");
 
-  using MmaAtom = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,
-                                      SM80_16x8x16_F32BF16BF16F32_TN>;
+  using MmaAtom = Sm80MmaAtom<Element>;
   // N tile of 16 so that one ldmatrix.x4 feeds two n8 MMAs of the B operand.
   using TiledMma = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<Int<kWarps>, _1, _1>>, Tile<Int<16 * kWarps>, _16, _16>>;
 

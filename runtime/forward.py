@@ -1,0 +1,57 @@
+"""The attention forward: checks, kernel choice, launch."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import inputs
+from .launch import KernelLaunch, Target, ceil_div, request, run
+from .params import FwdParams
+from .registry import KernelRegistry, default_registry
+
+
+def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 causal: str, scale: float, capability: tuple[int, int], registry: KernelRegistry) -> KernelLaunch:
+    """Choose the kernel and pack its parameters; q, k, v, out and lse are already checked."""
+    b, hq, sq, dqk = q.shape
+    _, hkv, sk, dv = v.shape
+    entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal), capability)
+    params = FwdParams(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
+        **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
+        **inputs.stride_fields("o", out),
+        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk,
+        scale=scale, scale_log2=scale * math.log2(math.e),
+    )
+    return KernelLaunch(entry, (ceil_div(sq, entry.descriptor["tile_m"]), hq, b), params)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,
+                      scale: float | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      registry: KernelRegistry | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention forward: softmax(scale * q kᵀ, causal mask) v and its log-sum-exp.
+
+    q: (B, H_q, S_q, d_qk), k: (B, H_kv, S_k, d_qk), v: (B, H_kv, S_k, d_v), fp16 or bf16 on one
+    CUDA device, any strides with a contiguous head dim (others are copied first); H_q a multiple
+    of H_kv (GQA/MQA). causal: None, "top_left" (key j visible to query i iff j <= i) or
+    "bottom_right" (iff j <= i + S_k - S_q). scale defaults to 1/sqrt(d_qk).
+    Returns out (B, H_q, S_q, d_v), in q's memory order, and lse (B, H_q, S_q) in fp32 (natural
+    log; -inf for a query that sees no key, whose output row is 0). `out` and `lse` may be given
+    preallocated. No autograd here: see flashkiln.scaled_dot_product_attention.
+    """
+    inputs.check_qkv(q, k, v)
+    causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
+    if q.device.type != "cuda":
+        inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
+    d_v = v.shape[3]
+    out = inputs.empty_in_memory_order(q, d_v) if out is None else out
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
+    inputs.check_forward_outputs(q, out, lse, d_v)
+    if out.numel() == 0:
+        return out, lse
+    q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
+    registry = registry or default_registry()
+    target = Target.of(q)
+    run(registry, target, [plan_forward(q, k, v, out, lse, causal_mode, scale, target.capability, registry)])
+    return out, lse

@@ -1,0 +1,110 @@
+"""Argument checks and memory layouts shared by the forward and backward APIs.
+
+Every problem a caller can cause is an InvalidInputError raised here, before anything launches.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .descriptor import HEAD_DIMS
+from .errors import InvalidInputError
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+CAUSAL_MODES = {None: "none", "top_left": "top_left", "bottom_right": "bottom_right"}
+_MAX_GRID_YZ = 65535  # grid.y carries heads, grid.z the batch
+_ALIGN_BYTES = 16  # the kernels move 16-byte vectors
+
+
+def fail(message: str) -> None:
+    raise InvalidInputError(message)
+
+
+def is_kernel_layout(t: torch.Tensor) -> bool:
+    """Head dim contiguous; every other stride (of a dim longer than 1) and the base 16-byte aligned."""
+    elems = _ALIGN_BYTES // t.element_size()
+    strides_ok = all(s % elems == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    return t.stride(-1) == 1 and strides_ok and t.data_ptr() % _ALIGN_BYTES == 0
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when the kernels can read it in place, else a fresh contiguous copy."""
+    if t.numel() == 0 or is_kernel_layout(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            fail(f"{name} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            fail(f"{name} has dtype {t.dtype}; flashkiln supports torch.float16 and torch.bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        fail(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        fail(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    (b, hq, _, dqk), (bk, hkv, sk, dk), (bv, hv, sv, dv) = q.shape, k.shape, v.shape
+    if not (b == bk == bv):
+        fail(f"batch sizes differ: q {b}, k {bk}, v {bv}")
+    if (hkv, sk) != (hv, sv):
+        fail(f"k and v must have the same heads and seqlen, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if hkv == 0 or hq % hkv:
+        fail(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if dk != dqk:
+        fail(f"q and k head dims differ: {dqk} vs {dk}")
+    for name, d in (("q/k", dqk), ("v", dv)):
+        if d not in HEAD_DIMS:
+            fail(f"{name} head dim {d} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+    if hq > _MAX_GRID_YZ or b > _MAX_GRID_YZ:
+        fail(f"at most {_MAX_GRID_YZ} heads and {_MAX_GRID_YZ} batch entries per call, got {hq} and {b}")
+    if max(q.shape[2], sk) >= 2**31:
+        fail("sequence lengths must be below 2**31")
+
+
+def check_causal_scale(causal: str | None, scale: float | None, d_qk: int) -> tuple[str, float]:
+    if causal not in CAUSAL_MODES:
+        fail(f"causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
+    if scale is None:
+        return CAUSAL_MODES[causal], 1.0 / math.sqrt(d_qk)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        fail(f"scale must be a finite positive number, got {scale!r}")
+    return CAUSAL_MODES[causal], float(scale)
+
+
+def check_forward_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, d_v: int) -> None:
+    b, hq, sq, _ = q.shape
+    if tuple(out.shape) != (b, hq, sq, d_v) or out.dtype != q.dtype or out.device != q.device:
+        fail(f"out must be a {q.dtype} tensor of shape {(b, hq, sq, d_v)} on {q.device}, "
+             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if out.numel() and not is_kernel_layout(out):
+        fail(f"out must have a contiguous head dim and 16-byte aligned strides and base, got strides {out.stride()}")
+    if tuple(lse.shape) != (b, hq, sq) or lse.dtype != torch.float32 or lse.device != q.device:
+        fail(f"lse must be a float32 tensor of shape {(b, hq, sq)} on {q.device}, "
+             f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
+    if not lse.is_contiguous():
+        fail("lse must be contiguous")
+
+
+def empty_in_memory_order(q: torch.Tensor, d_v: int) -> torch.Tensor:
+    """O in q's memory order: (B, S, H, D) storage when q is a permuted (B, S, H, D) tensor."""
+    b, hq, sq, _ = q.shape
+    if q.stride(1) < q.stride(2):
+        return torch.empty((b, sq, hq, d_v), dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty((b, hq, sq, d_v), dtype=q.dtype, device=q.device)
+
+
+def empty_gradient_like(t: torch.Tensor) -> torch.Tensor:
+    """A gradient buffer with `t`'s strides when the kernels can write them, else contiguous."""
+    if is_kernel_layout(t) and t.is_non_overlapping_and_dense():
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def stride_fields(prefix: str, t: torch.Tensor) -> dict[str, int]:
+    """The (batch, head, row) strides of a (B, H, S, D) tensor as params fields."""
+    return {f"{prefix}_batch_stride": t.stride(0), f"{prefix}_head_stride": t.stride(1),
+            f"{prefix}_row_stride": t.stride(2)}

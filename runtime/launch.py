@@ -1,0 +1,52 @@
+"""Launching planned kernels on PyTorch's current stream of the inputs' device."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .manifest import KernelEntry
+from .registry import KernelRegistry
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One planned launch: the chosen kernel, its grid and its packed parameter block."""
+
+    entry: KernelEntry
+    grid: tuple[int, int, int]
+    params: ctypes.Structure
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device a call runs on."""
+
+    device: int
+    capability: tuple[int, int]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "Target":
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return cls(index, torch.cuda.get_device_capability(index))
+
+
+def request(kernel: str, dtype: str, d_qk: int, d_v: int, causal: str = "none",
+            deterministic: bool = False) -> dict[str, Any]:
+    """The functional fields (all but arch) of the portable kernel a call needs."""
+    return {"kernel": kernel, "family": "portable", "dtype": dtype, "d_qk": d_qk, "d_v": d_v, "causal": causal,
+            "bias": "none", "deterministic": deterministic}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def run(registry: KernelRegistry, target: Target, launches: list[KernelLaunch]) -> None:
+    """Launch in order on the current stream (kernels of one call are ordered by that stream)."""
+    with torch.cuda.device(target.device):
+        stream = torch.cuda.current_stream(target.device).cuda_stream
+        for launch in launches:
+            registry.launch(launch.entry, target.device, target.capability, launch.grid, launch.params, stream)

@@ -1,0 +1,95 @@
+"""PyTorch integration: custom ops with fake kernels and autograd, and an SDPA drop-in.
+
+`flashkiln::attention_forward` and `flashkiln::attention_backward` are opaque to torch.compile
+(no graph breaks), have shape-only fake implementations for tracing, and the forward's autograd
+formula calls the backward op. Every launch goes on the current stream, so the ops also work
+under CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import inputs
+from .backward import attention_backward
+from .errors import InvalidInputError, UnsupportedError
+from .forward import attention_forward
+
+
+def _causal_arg(causal: str) -> Optional[str]:
+    return None if causal == "none" else causal
+
+
+@torch.library.custom_op("flashkiln::attention_forward", mutates_args=())
+def attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float,
+                         deterministic: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); `deterministic` is only carried to the backward."""
+    out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), scale=scale)
+    return out, lse
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, causal, scale, deterministic):
+    inputs.check_qkv(q, k, v)
+    return inputs.empty_in_memory_order(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashkiln::attention_backward", mutates_args=())
+def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, causal: str, scale: float,
+                          deterministic: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(dout, q, k, v, out, lse, causal=_causal_arg(causal), scale=scale,
+                              deterministic=deterministic)
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, deterministic):
+    return tuple(inputs.empty_gradient_like(t) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs_, output) -> None:
+    q, k, v, causal, scale, deterministic = inputs_
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    # The LSE output is a statistic for the backward, not differentiable here.
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None
+
+
+attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+                                 *, deterministic: Optional[bool] = None) -> torch.Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention, differentiable.
+
+    Supported: (N, H, L, E) or (N, L, E) inputs, is_causal (top-left, as in PyTorch), scale,
+    enable_gqa. Not yet supported (a clear error): attn_mask, dropout_p > 0. deterministic
+    (flashkiln's own, keyword only) picks the bitwise-reproducible backward; by default it follows
+    torch.are_deterministic_algorithms_enabled() when the backward runs.
+    """
+    if attn_mask is not None:
+        raise UnsupportedError("flashkiln.scaled_dot_product_attention: attn_mask is not supported yet")
+    if dropout_p != 0.0:
+        raise UnsupportedError(f"flashkiln.scaled_dot_product_attention: dropout_p={dropout_p} is not supported "
+                               "(only 0.0); apply dropout outside attention or use torch's SDPA")
+    three_d = query.dim() == 3
+    if three_d:
+        query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+    if query.dim() != 4:
+        raise InvalidInputError(f"query must be (N, H, L, E) or (N, L, E), got shape {tuple(query.shape)}")
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise InvalidInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+                                "for grouped-query attention")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    out, _ = attention_forward_op(query, key, value, "top_left" if is_causal else "none", scale, deterministic)
+    return out.squeeze(1) if three_d else out

@@ -1,0 +1,322 @@
+// Portable attention backward, main kernel (FlashAttention-2 style): one CTA per (key tile, head,
+// batch) keeps its K and V tiles and its dK, dV accumulators on chip and walks the query tiles:
+// recompute P from Q, K and the forward's LSE; dV += P^T dO; dP = dO V^T; dS = P (dP - delta);
+// dK += dS^T Q; dQ += dS K into an fp32 accumulator in global memory (atomics, or in key-tile
+// order when deterministic). Softmax scale: applied to dK here and to dQ by the postprocess.
+#pragma once
+
+#include <cuda/atomic>
+#include <cute/tensor.hpp>
+
+#include <flashkiln/common.hpp>
+#include <flashkiln/params.hpp>
+#include <flashkiln/portable/bwd_traits.hpp>
+#include <flashkiln/portable/masking.hpp>
+#include <flashkiln/portable/tile_ops.hpp>
+
+namespace flashkiln::portable {
+
+using namespace cute;
+
+// Writes an (N, d) accumulator scaled by `scale` to rows below `row_limit` of a global tile,
+// converted to the tile's element type; `coord` is the identity partition of the accumulator.
+template <class Acc, class Dst, class Coord>
+__device__ __forceinline__ void store_accumulator(Acc const& acc, Dst&& dst, Coord const& coord, float scale,
+                                                  int row_limit) {
+  using Out = typename cute::remove_cvref_t<Dst>::value_type;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    if (get<0>(coord(i)) < row_limit) {
+      dst(i) = static_cast<Out>(acc(i) * scale);
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM;
+  constexpr int kBlockN = T::kBlockN;
+  constexpr int kDimQK = T::kDimQK;
+  constexpr int kDimV = T::kDimV;
+
+  extern __shared__ __align__(128) char smem[];
+  const int tidx = threadIdx.x;
+  const int n_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_kv = head / (p.heads_q / p.heads_kv);
+  const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  const int k_rows = min(kBlockN, p.seqlen_k - n_block * kBlockN);
+  const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+  // The first query tile that sees a key of this tile (query i sees key j iff j <= i + offset).
+  int m_begin = 0;
+  if constexpr (T::kCausal != Causal::none) {
+    const int first_row = n_block * kBlockN - causal_offset;
+    m_begin = first_row <= 0 ? 0 : first_row / kBlockM;
+  }
+  const int64_t bh = int64_t(batch) * p.heads_q + head;
+
+  // ---- global tensors ---------------------------------------------------------------------------
+  auto q_base = reinterpret_cast<Element const*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
+  auto do_base = reinterpret_cast<Element const*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
+  auto k_base = reinterpret_cast<Element const*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
+  auto v_base = reinterpret_cast<Element const*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
+  float const* lse = reinterpret_cast<float const*>(p.lse) + bh * p.seqlen_q;
+  float const* delta = reinterpret_cast<float const*>(p.delta) + bh * p.seqlen_q;
+  Tensor gQ = local_tile(make_tensor(make_gmem_ptr(q_base), make_shape(p.seqlen_q, Int<kDimQK>{}),
+                                     make_stride(p.q_row_stride, _1{})),
+                         Shape<Int<kBlockM>, Int<kDimQK>>{}, make_coord(_, 0));  // (M, dqk, m)
+  Tensor gdO = local_tile(make_tensor(make_gmem_ptr(do_base), make_shape(p.seqlen_q, Int<kDimV>{}),
+                                      make_stride(p.do_row_stride, _1{})),
+                          Shape<Int<kBlockM>, Int<kDimV>>{}, make_coord(_, 0));  // (M, dv, m)
+  Tensor gK = local_tile(make_tensor(make_gmem_ptr(k_base), make_shape(p.seqlen_k, Int<kDimQK>{}),
+                                     make_stride(p.k_row_stride, _1{})),
+                         Shape<Int<kBlockN>, Int<kDimQK>>{}, make_coord(n_block, 0));  // (N, dqk)
+  Tensor gV = local_tile(make_tensor(make_gmem_ptr(v_base), make_shape(p.seqlen_k, Int<kDimV>{}),
+                                     make_stride(p.v_row_stride, _1{})),
+                         Shape<Int<kBlockN>, Int<kDimV>>{}, make_coord(n_block, 0));  // (N, dv)
+  // The dQ accumulator has seqlen_q_rounded rows per head, so whole tiles can be added unguarded.
+  Tensor gdQacc = local_tile(make_tensor(make_gmem_ptr(reinterpret_cast<float*>(p.dq_accum) +
+                                                       bh * p.seqlen_q_rounded * kDimQK),
+                                         make_shape(p.seqlen_q_rounded, Int<kDimQK>{}), make_stride(Int<kDimQK>{}, _1{})),
+                             Shape<Int<kBlockM>, Int<kDimQK>>{}, make_coord(_, 0));  // (M, dqk, m)
+
+  // ---- shared tensors ---------------------------------------------------------------------------
+  Element* smem_q = reinterpret_cast<Element*>(smem);
+  Element* smem_do = smem_q + T::kStages * T::kElemsQ;
+  Element* smem_k = smem_do + T::kStages * T::kElemsdO;
+  Element* smem_v = smem_k + kBlockN * kDimQK;
+  Element* smem_p = smem_v + kBlockN * kDimV;
+  Element* smem_ds = smem_p + T::kElemsPdS;
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutQ{});  // stage 0
+  Tensor sQt = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutQt{});
+  Tensor sQtPlain = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutQtPlain{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename T::SmemLayoutdO{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem_do), typename T::SmemLayoutdOt{});
+  Tensor sdOtPlain = make_tensor(make_smem_ptr(smem_do), typename T::SmemLayoutdOtPlain{});
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename T::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename T::SmemLayoutKt{});
+  Tensor sKtPlain = make_tensor(make_smem_ptr(smem_k), typename T::SmemLayoutKtPlain{});
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename T::SmemLayoutV{});
+  Tensor sP = make_tensor(make_smem_ptr(smem_p), typename T::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(make_smem_ptr(smem_p), typename T::SmemLayoutPdSt{});
+  Tensor sPtPlain = make_tensor(make_smem_ptr(smem_p), typename T::SmemLayoutPdStPlain{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename T::SmemLayoutPdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem_ds), typename T::SmemLayoutPdSt{});
+  Tensor sdStPlain = make_tensor(make_smem_ptr(smem_ds), typename T::SmemLayoutPdStPlain{});
+
+  // ---- global -> shared copies ------------------------------------------------------------------
+  typename T::GmemCopyQK::AsyncLoad load_qk;
+  typename T::GmemCopyVO::AsyncLoad load_vo;
+  auto thr_load_qk = load_qk.get_thread_slice(tidx);
+  auto thr_load_vo = load_vo.get_thread_slice(tidx);
+  Tensor tQgQ = thr_load_qk.partition_S(gQ);  // (CPY, CPY_M, CPY_D, m)
+  Tensor tQsQ = thr_load_qk.partition_D(sQ);
+  Tensor tQcQ = thr_load_qk.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kDimQK>>{}));
+  Tensor tdOgdO = thr_load_vo.partition_S(gdO);
+  Tensor tdOsdO = thr_load_vo.partition_D(sdO);
+  Tensor tdOcdO = thr_load_vo.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kDimV>>{}));
+
+  auto load_query_tile = [&](int m_block, int stage) {
+    const int rows = p.seqlen_q - m_block * kBlockM;
+    copy_rows<true>(load_qk, tQgQ(_, _, _, m_block), at_offset(tQsQ, stage * T::kElemsQ), tQcQ, rows);
+    copy_rows<true>(load_vo, tdOgdO(_, _, _, m_block), at_offset(tdOsdO, stage * T::kElemsdO), tdOcdO, rows);
+  };
+
+  // ---- MMA partitions ---------------------------------------------------------------------------
+  typename T::TiledMmaSdP mma_sdp;
+  typename T::TiledMmaKV mma_kv;
+  typename T::TiledMmaQ mma_q;
+  auto thr_sdp = mma_sdp.get_slice(tidx);
+  auto thr_kv = mma_kv.get_slice(tidx);
+  auto thr_q = mma_q.get_slice(tidx);
+
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdVrPt = thr_kv.partition_fragment_A(sPtPlain);
+  Tensor tdVrdOt = thr_kv.partition_fragment_B(sdOtPlain);
+  Tensor tdKrdSt = thr_kv.partition_fragment_A(sdStPlain);
+  Tensor tdKrQt = thr_kv.partition_fragment_B(sQtPlain);
+  Tensor tdQrdS = thr_q.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_q.partition_fragment_B(sKtPlain);
+
+  auto copy_a_sdp = make_tiled_copy_A(typename T::SmemLoad{}, mma_sdp);
+  auto copy_b_sdp = make_tiled_copy_B(typename T::SmemLoad{}, mma_sdp);
+  auto copy_a_kv = make_tiled_copy_A(typename T::SmemLoadTransposed{}, mma_kv);
+  auto copy_b_kv = make_tiled_copy_B(typename T::SmemLoadTransposed{}, mma_kv);
+  auto copy_a_q = make_tiled_copy_A(typename T::SmemLoad{}, mma_q);
+  auto copy_b_q = make_tiled_copy_B(typename T::SmemLoadTransposed{}, mma_q);
+  auto thr_copy_a_sdp = copy_a_sdp.get_thread_slice(tidx);
+  auto thr_copy_b_sdp = copy_b_sdp.get_thread_slice(tidx);
+  auto thr_copy_a_kv = copy_a_kv.get_thread_slice(tidx);
+  auto thr_copy_b_kv = copy_b_kv.get_thread_slice(tidx);
+  auto thr_copy_a_q = copy_a_q.get_thread_slice(tidx);
+  auto thr_copy_b_q = copy_b_q.get_thread_slice(tidx);
+  Tensor tSsQ = thr_copy_a_sdp.partition_S(sQ);
+  Tensor tSsK = thr_copy_b_sdp.partition_S(sK);
+  Tensor tdPsdO = thr_copy_a_sdp.partition_S(sdO);
+  Tensor tdPsV = thr_copy_b_sdp.partition_S(sV);
+  Tensor tdVsPt = thr_copy_a_kv.partition_S(sPt);
+  Tensor tdVsdOt = thr_copy_b_kv.partition_S(sdOt);
+  Tensor tdKsdSt = thr_copy_a_kv.partition_S(sdSt);
+  Tensor tdKsQt = thr_copy_b_kv.partition_S(sQt);
+  Tensor tdQsdS = thr_copy_a_q.partition_S(sdS);
+  Tensor tdQsKt = thr_copy_b_q.partition_S(sKt);
+
+  auto store_sdp = make_tiled_copy_C(typename T::SmemStore{}, mma_sdp);
+  auto thr_store_sdp = store_sdp.get_thread_slice(tidx);
+  Tensor tPsP = thr_store_sdp.partition_D(sP);
+  Tensor tdSsdS = thr_store_sdp.partition_D(sdS);
+
+  Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  Tensor tdQgdQacc = thr_q.partition_C(gdQacc);  // (MMA, MMA_M, MMA_DQK, m)
+
+  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimQK>>{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimV>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  if (m_begin < m_blocks) {
+    // ---- prologue: K and V of this tile, and the first query tile(s) -----------------------------
+    {
+      Tensor tKgK = thr_load_qk.partition_S(gK);
+      Tensor tKcK = thr_load_qk.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimQK>>{}));
+      Tensor tVgV = thr_load_vo.partition_S(gV);
+      Tensor tVcV = thr_load_vo.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimV>>{}));
+      copy_rows<true>(load_qk, tKgK, thr_load_qk.partition_D(sK), tKcK, k_rows);
+      copy_rows<true>(load_vo, tVgV, thr_load_vo.partition_D(sV), tVcV, k_rows);
+    }
+    load_query_tile(m_begin, 0);
+    cp_async_fence();
+    if constexpr (T::kStages == 2) {
+      if (m_begin + 1 < m_blocks) {
+        load_query_tile(m_begin + 1, 1);
+      }
+      cp_async_fence();
+    }
+
+    constexpr int kRows = decltype(size<0>(tScS))::value;
+    for (int m_block = m_begin, step = 0; m_block < m_blocks; ++m_block, ++step) {
+      const int stage = T::kStages == 2 ? (step & 1) : 0;
+      // This thread's rows of the (M, N) tile: LSE (base 2; +inf for rows that see no key or lie
+      // past the end, so their P is 0) and delta.
+      float lse_log2[kRows], row_delta[kRows];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = m_block * kBlockM + get<0>(tScS(r, 0));
+        const float l = row < p.seqlen_q ? lse[row] : -kInfinity;
+        lse_log2[r] = l == -kInfinity ? kInfinity : l * kLog2e;
+        row_delta[r] = row < p.seqlen_q ? delta[row] : 0.f;
+      }
+
+      cp_async_wait<T::kStages - 1>();
+      __syncthreads();  // this step's Q and dO (and K, V) have landed
+
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      clear(acc_dp);
+      gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, at_offset(tSsQ, stage * T::kElemsQ), tSsK, copy_a_sdp,
+                     copy_b_sdp, thr_copy_a_sdp, thr_copy_b_sdp);
+      gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, at_offset(tdPsdO, stage * T::kElemsdO), tdPsV, copy_a_sdp,
+                     copy_b_sdp, thr_copy_a_sdp, thr_copy_b_sdp);
+
+      Tensor s = rowcol(acc_s);
+      Tensor dp = rowcol(acc_dp);
+      if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, p.seqlen_k,
+                                                   causal_offset)) {
+        mask_scores<T::kCausal>(s, tScS, m_block * kBlockM, n_block * kBlockN, p.seqlen_k, causal_offset);
+      }
+      // P = exp(scale * s - lse) and dS = P (dP - delta), in place of the accumulators.
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+          const float prob = exp2f(fmaf(s(r, c), p.scale_log2, -lse_log2[r]));
+          s(r, c) = prob;
+          dp(r, c) = prob * (dp(r, c) - row_delta[r]);
+        }
+      }
+      Tensor rP = convert_fragment<Element>(acc_s);
+      Tensor rdS = convert_fragment<Element>(acc_dp);
+      copy(store_sdp, thr_store_sdp.retile_S(rP), tPsP);
+      copy(store_sdp, thr_store_sdp.retile_S(rdS), tdSsdS);
+      __syncthreads();  // P and dS are in shared memory for their transposed reads
+
+      gemm_smem_smem(mma_kv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_offset(tdVsdOt, stage * T::kElemsdO), copy_a_kv,
+                     copy_b_kv, thr_copy_a_kv, thr_copy_b_kv);
+
+      Tensor acc_dq = partition_fragment_C(mma_q, Shape<Int<kBlockM>, Int<kDimQK>>{});
+      clear(acc_dq);
+      gemm_smem_smem(mma_q, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_q, copy_b_q, thr_copy_a_q, thr_copy_b_q);
+      Tensor tdQgdQ = tdQgdQacc(_, _, _, m_block);
+      if constexpr (T::kDeterministic) {
+        // Key tiles add into a query tile in key-tile order: every tile before this one sees this
+        // query tile too (visibility is monotone in the key index), so wait until all have added.
+        cuda::atomic_ref<int, cuda::thread_scope_device> turn(
+            reinterpret_cast<int*>(p.dq_semaphore)[bh * (p.seqlen_q_rounded / kBlockM) + m_block]);
+        if (tidx == 0) {
+          while (turn.load(cuda::memory_order_acquire) != n_block) {
+          }
+        }
+        __syncthreads();
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); ++i) {
+          atomicAdd(&tdQgdQ(i), acc_dq(i));
+        }
+        __threadfence();
+        __syncthreads();
+        if (tidx == 0) {
+          turn.fetch_add(1, cuda::memory_order_release);
+        }
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); ++i) {
+          atomicAdd(&tdQgdQ(i), acc_dq(i));
+        }
+      }
+
+      gemm_smem_smem(mma_kv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_offset(tdKsQt, stage * T::kElemsQ), copy_a_kv,
+                     copy_b_kv, thr_copy_a_kv, thr_copy_b_kv);
+
+      __syncthreads();  // every warp is done with this stage's Q, dO and with P, dS
+      if (m_block + T::kStages < m_blocks) {
+        load_query_tile(m_block + T::kStages, stage);
+      }
+      cp_async_fence();  // possibly empty: one group per step keeps the wait above uniform
+    }
+  }
+
+  // ---- epilogue: dK (scaled) and dV, per kv head or per query head for GQA ------------------------
+  Tensor cK = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimQK>>{}));
+  Tensor cV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimV>>{}));
+  if (p.heads_q == p.heads_kv) {
+    auto dk_base = reinterpret_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
+    auto dv_base = reinterpret_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
+    Tensor gdK = local_tile(make_tensor(make_gmem_ptr(dk_base), make_shape(p.seqlen_k, Int<kDimQK>{}),
+                                        make_stride(p.dk_row_stride, _1{})),
+                            Shape<Int<kBlockN>, Int<kDimQK>>{}, make_coord(n_block, 0));
+    Tensor gdV = local_tile(make_tensor(make_gmem_ptr(dv_base), make_shape(p.seqlen_k, Int<kDimV>{}),
+                                        make_stride(p.dv_row_stride, _1{})),
+                            Shape<Int<kBlockN>, Int<kDimV>>{}, make_coord(n_block, 0));
+    store_accumulator(acc_dk, thr_kv.partition_C(gdK), cK, p.scale, k_rows);
+    store_accumulator(acc_dv, thr_kv.partition_C(gdV), cV, 1.f, k_rows);
+  } else {
+    // Per query head in fp32; the host sums each group in a fixed order.
+    auto dk_base = reinterpret_cast<float*>(p.dk_accum) + bh * p.seqlen_k * kDimQK;
+    auto dv_base = reinterpret_cast<float*>(p.dv_accum) + bh * p.seqlen_k * kDimV;
+    Tensor gdK = local_tile(make_tensor(make_gmem_ptr(dk_base), make_shape(p.seqlen_k, Int<kDimQK>{}),
+                                        make_stride(Int<kDimQK>{}, _1{})),
+                            Shape<Int<kBlockN>, Int<kDimQK>>{}, make_coord(n_block, 0));
+    Tensor gdV = local_tile(make_tensor(make_gmem_ptr(dv_base), make_shape(p.seqlen_k, Int<kDimV>{}),
+                                        make_stride(Int<kDimV>{}, _1{})),
+                            Shape<Int<kBlockN>, Int<kDimV>>{}, make_coord(n_block, 0));
+    store_accumulator(acc_dk, thr_kv.partition_C(gdK), cK, p.scale, k_rows);
+    store_accumulator(acc_dv, thr_kv.partition_C(gdV), cV, 1.f, k_rows);
+  }
+}
+
+}  // namespace flashkiln::portable

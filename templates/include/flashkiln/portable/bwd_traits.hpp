@@ -1,0 +1,107 @@
+// Compile-time configuration of the portable attention backward (one CTA per key tile, looping
+// over query tiles): three tiled MMAs, shared-memory layouts and their transposed views.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <flashkiln/common.hpp>
+#include <flashkiln/portable/fwd_traits.hpp>
+
+namespace flashkiln::portable {
+
+using namespace cute;
+
+// A (cols, rows) view of a (rows, cols) shared-memory layout: the transposed operand of a GEMM,
+// read with transposing ldmatrix.
+template <class Layout, int kRows, int kCols>
+using TransposedView = decltype(composition(Layout{}, make_layout(Shape<Int<kCols>, Int<kRows>>{}, GenRowMajor{})));
+
+// How many of `warps` split the rows of an (rows, cols) accumulator (the rest split the cols): 32
+// rows per warp where the tile allows, fewer when the column split would not divide `cols`.
+constexpr int row_warps(int rows, int cols_a, int cols_b, int warps) {
+  int wm = rows / 32 < warps ? rows / 32 : warps;
+  wm = wm < 1 ? 1 : wm;
+  while (wm < warps && (rows % (16 * wm) || cols_a % (16 * (warps / wm)) || cols_b % (16 * (warps / wm)))) {
+    wm *= 2;
+  }
+  return wm;
+}
+
+template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
+          Causal kCausal_, bool kDeterministic_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kDimQK = kDimQK_;
+  static constexpr int kDimV = kDimV_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per inner step
+  static constexpr int kBlockN = kBlockN_;  // key rows owned by the CTA
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  // Buffers of the Q and dO ring: with 2, the next query tile streams in during this one.
+  static constexpr int kStages = kStages_;
+  static constexpr Causal kCausal = kCausal_;
+  // dQ contributions of the key tiles are added in key-tile order (bitwise reproducible).
+  static constexpr bool kDeterministic = kDeterministic_;
+
+  static_assert(cute::is_same_v<Element, cutlass::half_t> || cute::is_same_v<Element, cutlass::bfloat16_t>);
+  static_assert(kWarps == 4 || kWarps == 8, "backward warps must be 4 or 8");
+  static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0);
+  static_assert(kStages == 1 || kStages == 2, "stages must be 1 or 2");
+  // Warp grids of the three GEMM shapes (see row_warps).
+  static constexpr int kWarpsSdP = row_warps(kBlockM, kBlockN, kBlockN, kWarps);
+  static constexpr int kWarpsKV = row_warps(kBlockN, kDimQK, kDimV, kWarps);
+  static constexpr int kWarpsQ = row_warps(kBlockM, kDimQK, kDimQK, kWarps);
+
+  using MmaAtom = MMA_Atom<Sm80MmaAtom<Element>>;
+  template <int kWarpsRows>
+  using Mma = TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsRows>, Int<kWarps / kWarpsRows>, _1>>,
+                       Tile<Int<16 * kWarpsRows>, Int<16 * (kWarps / kWarpsRows)>, _16>>;
+  using TiledMmaSdP = Mma<kWarpsSdP>;  // S = Q K^T and dP = dO V^T: (M, N)
+  using TiledMmaKV = Mma<kWarpsKV>;    // dV += P^T dO and dK += dS^T Q: (N, d)
+  using TiledMmaQ = Mma<kWarpsQ>;      // dQ = dS K: (M, d_qk)
+  static_assert(kBlockM % (16 * kWarpsSdP) == 0 && kBlockN % (16 * (kWarps / kWarpsSdP)) == 0,
+                "tile_m / tile_n do not split over the warps of S = Q K^T");
+  static_assert(kBlockN % (16 * kWarpsKV) == 0 && kDimQK % (16 * (kWarps / kWarpsKV)) == 0 &&
+                    kDimV % (16 * (kWarps / kWarpsKV)) == 0,
+                "tile_n / head dims do not split over the warps of dK, dV");
+  static_assert(kBlockM % (16 * kWarpsQ) == 0 && kDimQK % (16 * (kWarps / kWarpsQ)) == 0,
+                "tile_m / d_qk do not split over the warps of dQ");
+
+  using SmemLayoutQ = typename SmemTile<Element, kBlockM, kDimQK>::Layout;
+  using SmemLayoutdO = typename SmemTile<Element, kBlockM, kDimV>::Layout;
+  using SmemLayoutK = typename SmemTile<Element, kBlockN, kDimQK>::Layout;
+  using SmemLayoutV = typename SmemTile<Element, kBlockN, kDimV>::Layout;
+  // P and dS of one (query tile, key tile) pair, stored to be re-read transposed.
+  using SmemLayoutPdS = typename SmemTile<Element, kBlockM, kBlockN>::Layout;
+
+  using SmemLayoutQt = TransposedView<SmemLayoutQ, kBlockM, kDimQK>;     // (d_qk, M)
+  using SmemLayoutdOt = TransposedView<SmemLayoutdO, kBlockM, kDimV>;    // (d_v, M)
+  using SmemLayoutKt = TransposedView<SmemLayoutK, kBlockN, kDimQK>;     // (d_qk, N)
+  using SmemLayoutPdSt = TransposedView<SmemLayoutPdS, kBlockM, kBlockN>;  // (N, M)
+  // Fragment shapes of the transposed operands (the swizzle does not change them).
+  using SmemLayoutQtPlain = decltype(get_nonswizzle_portion(SmemLayoutQt{}));
+  using SmemLayoutdOtPlain = decltype(get_nonswizzle_portion(SmemLayoutdOt{}));
+  using SmemLayoutKtPlain = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
+  using SmemLayoutPdStPlain = decltype(get_nonswizzle_portion(SmemLayoutPdSt{}));
+
+  using SmemLoad = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemLoadTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemStore = Copy_Atom<DefaultCopy, Element>;
+
+  using GmemCopyQK = GmemTileCopy<Element, kThreads, kDimQK>;
+  using GmemCopyVO = GmemTileCopy<Element, kThreads, kDimV>;
+  static_assert(kBlockM % GmemCopyQK::kRowsPerPass == 0 && kBlockN % GmemCopyQK::kRowsPerPass == 0);
+  static_assert(kBlockM % GmemCopyVO::kRowsPerPass == 0 && kBlockN % GmemCopyVO::kRowsPerPass == 0);
+
+  // Shared memory: kStages x (Q, dO), then K, V, then P and dS.
+  static constexpr int kElemsQ = kBlockM * kDimQK;
+  static constexpr int kElemsdO = kBlockM * kDimV;
+  static constexpr int kElemsPdS = kBlockM * kBlockN;
+  static constexpr int kSmemBytes =
+      int(sizeof(Element)) * (kStages * (kElemsQ + kElemsdO) + kBlockN * (kDimQK + kDimV) + 2 * kElemsPdS);
+};
+
+}  // namespace flashkiln::portable

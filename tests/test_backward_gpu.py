@@ -1,0 +1,167 @@
+"""Attention backward on the GPU: dq, dk, dv against the fp32 reference (FA-style(3)), determinism.
+
+Gradients are written into NaN-poisoned buffers with NaN canaries around them; inputs are fresh
+random tensors from a printed seed.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import flashkiln
+from reference import attention_grad_reference, fa_style_check
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+CAUSAL = (None, "top_left", "bottom_right")
+SEQLENS = [(1, 1), (17, 17), (113, 113), (128, 128), (129, 129), (1023, 1023), (4224, 4224),
+           (1, 4224), (4224, 1), (17, 129), (129, 17), (113, 1023), (1023, 113)]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_reference():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+
+
+def _seed(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _repro(test: str, **kw) -> str:
+    return f"repro: pytest -q 'tests/test_backward_gpu.py::{test}'  ({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
+
+
+def _tensors(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, dqk: int, dv: int, dtype: torch.dtype,
+             layout: str = "bhsd"):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def make(h: int, s: int, d: int) -> torch.Tensor:
+        if layout == "bshd":
+            return torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+        return torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen)
+
+    return make(hq, sq, dqk), make(hkv, sk, dqk), make(hkv, sk, dv), make(hq, sq, dv)
+
+
+def _poisoned_like(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN buffer shaped like `t` (contiguous), inside storage with a NaN canary row on each side."""
+    b, h, s, d = t.shape
+    storage = torch.full((b, h, s + 2, d), float("nan"), device=t.device, dtype=t.dtype)
+    return storage, storage[:, :, 1:-1]
+
+
+def _backward(dout, q, k, v, causal, scale=None, deterministic=False):
+    out, lse = flashkiln.attention_forward(q, k, v, causal=causal, scale=scale)
+    storages, buffers = zip(*(_poisoned_like(t) for t in (q, k, v)))
+    grads = flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                         deterministic=deterministic, dq=buffers[0], dk=buffers[1], dv=buffers[2])
+    torch.cuda.synchronize()
+    for storage in storages:
+        assert torch.isnan(storage[:, :, 0]).all() and torch.isnan(storage[:, :, -1]).all(), "canary overwritten"
+    return grads
+
+
+def _check_grads(dout, q, k, v, causal, repro: str, scale=None, deterministic=False) -> None:
+    dq, dk, dv = _backward(dout, q, k, v, causal, scale, deterministic)
+    ref32 = attention_grad_reference(q, k, v, dout, causal, scale, torch.float32)
+    reflp = attention_grad_reference(q, k, v, dout, causal, scale, q.dtype)
+    fa_style_check("dq", dq, ref32.dq, reflp.dq, 3, repro)
+    fa_style_check("dk", dk, ref32.dk, reflp.dk, 3, repro)
+    fa_style_check("dv", dv, ref32.dv, reflp.dv, 3, repro)
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+def test_sweep_gqa_bf16(sq, sk, causal, dims):
+    """GQA 6/2, every S pair, head dims, causal mode."""
+    seed = _seed("bwd", sq, sk, causal, dims)
+    q, k, v, dout = _tensors(seed, 2, 6, 2, sq, sk, *dims, torch.bfloat16)
+    _check_grads(dout, q, k, v, causal, _repro("test_sweep_gqa_bf16", seed=seed, sq=sq, sk=sk, causal=causal,
+                                                dims=dims))
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 1), (6, 6)], ids=["mqa6-1", "mha6"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("sq,sk", [(129, 129), (1023, 300), (300, 1023)])
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
+def test_heads_and_fp16(dims, sq, sk, causal, hq, hkv):
+    seed = _seed("bwd-heads", dims, sq, sk, causal, hq, hkv)
+    q, k, v, dout = _tensors(seed, 2, hq, hkv, sq, sk, *dims, torch.float16)
+    _check_grads(dout, q, k, v, causal, _repro("test_heads_and_fp16", seed=seed, dims=dims, sq=sq, sk=sk,
+                                                causal=causal, hq=hq, hkv=hkv))
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+def test_deterministic_is_bitwise_reproducible(hq, hkv, causal):
+    """20 runs of the deterministic backward give identical dq, dk, dv (buffers re-poisoned each run)."""
+    seed = _seed("det", hq, hkv, causal)
+    q, k, v, dout = _tensors(seed, 2, hq, hkv, 1000, 1100, 128, 128, torch.bfloat16)
+    first = _backward(dout, q, k, v, causal, deterministic=True)
+    for _ in range(19):
+        again = _backward(dout, q, k, v, causal, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs (seed {seed})"
+    ref32 = attention_grad_reference(q, k, v, dout, causal, None, torch.float32)
+    reflp = attention_grad_reference(q, k, v, dout, causal, None, q.dtype)
+    repro = _repro("test_deterministic_is_bitwise_reproducible", seed=seed, hq=hq, hkv=hkv, causal=causal)
+    for name, got, r32, rlp in zip(("dq", "dk", "dv"), first, (ref32.dq, ref32.dk, ref32.dv),
+                                   (reflp.dq, reflp.dk, reflp.dv)):
+        fa_style_check(name, got, r32, rlp, 3, repro)
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
+def test_deterministic_every_head_dim(dims):
+    seed = _seed("det-dims", dims)
+    q, k, v, dout = _tensors(seed, 1, 6, 2, 513, 700, *dims, torch.bfloat16)
+    runs = [_backward(dout, q, k, v, "bottom_right", deterministic=True) for _ in range(3)]
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    _check_grads(dout, q, k, v, "bottom_right", _repro("test_deterministic_every_head_dim", seed=seed, dims=dims),
+                 deterministic=True)
+
+
+def test_deterministic_default_follows_torch(caplog):
+    q, k, v, dout = _tensors(_seed("default"), 1, 2, 2, 256, 256, 64, 64, torch.bfloat16)
+    out, lse = flashkiln.attention_forward(q, k, v)
+    with caplog.at_level("DEBUG", logger="flashkiln"):
+        flashkiln.attention_backward(dout, q, k, v, out, lse)
+        assert "dq route atomic" in caplog.text
+        caplog.clear()
+        torch.use_deterministic_algorithms(True)
+        try:
+            flashkiln.attention_backward(dout, q, k, v, out, lse)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert "dq route ordered" in caplog.text
+
+
+def test_rows_without_keys_get_zero_dq():
+    seed = _seed("no-keys")
+    q, k, v, dout = _tensors(seed, 1, 2, 2, 300, 100, 128, 128, torch.bfloat16)
+    dq, dk, dv = _backward(dout, q, k, v, "bottom_right")
+    assert (dq[:, :, :200] == 0).all()
+    assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+
+
+def test_layouts_strides_and_custom_scale():
+    """(B, S, H, D) inputs get (B, S, H, D)-strided gradients; a non-contiguous dout works."""
+    seed = _seed("layout")
+    q, k, v, _ = _tensors(seed, 2, 4, 2, 333, 444, 128, 128, torch.bfloat16, layout="bshd")
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dout = torch.randn(2, 4, 128, 333, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(2, 3)
+    assert not dout.is_contiguous()
+    out, lse = flashkiln.attention_forward(q, k, v, causal="top_left", scale=0.2)
+    dq, dk, dv = flashkiln.attention_backward(dout, q, k, v, out, lse, causal="top_left", scale=0.2)
+    for grad, inp in ((dq, q), (dk, k), (dv, v)):
+        assert grad.stride() == inp.stride()
+    ref32 = attention_grad_reference(q, k, v, dout, "top_left", 0.2, torch.float32)
+    reflp = attention_grad_reference(q, k, v, dout, "top_left", 0.2, q.dtype)
+    repro = _repro("test_layouts_strides_and_custom_scale", seed=seed)
+    fa_style_check("dq", dq, ref32.dq, reflp.dq, 3, repro)
+    fa_style_check("dk", dk, ref32.dk, reflp.dk, 3, repro)
+    fa_style_check("dv", dv, ref32.dv, reflp.dv, 3, repro)
