@@ -1,6 +1,6 @@
-"""A few small forward calls with ragged shapes, for compute-sanitizer (memcheck, racecheck).
+"""A few small forward and backward calls with ragged shapes, for compute-sanitizer (memcheck, racecheck).
 
-Run on a GPU machine: compute-sanitizer --tool memcheck tools/pyenv.sh python3 tools/sanitize_forward.py
+Run on a GPU machine: compute-sanitizer --tool memcheck tools/pyenv.sh python3 tools/sanitize.py
 (set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation).
 """
 from __future__ import annotations
@@ -26,9 +26,11 @@ def main() -> int:
         k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
         out, lse = flashkiln.attention_forward(q, k, v, causal=causal)
+        grads = [flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=causal,
+                                              deterministic=det) for det in (False, True)]
         torch.cuda.synchronize()
-        print(f"B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} d={d} causal={causal}: "
-              f"finite={bool(torch.isfinite(out).all())}", flush=True)
+        finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads[0], *grads[1]))
+        print(f"B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} d={d} causal={causal}: finite={finite}", flush=True)
     return 0
 
 
