@@ -97,9 +97,19 @@ def empty_in_memory_order(q: torch.Tensor, d_v: int) -> torch.Tensor:
     return torch.empty((b, hq, sq, d_v), dtype=q.dtype, device=q.device)
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements exactly fill its span: some permutation of its dims is contiguous."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def empty_gradient_like(t: torch.Tensor) -> torch.Tensor:
     """A gradient buffer with `t`'s strides when the kernels can write them, else contiguous."""
-    if is_kernel_layout(t) and t.is_non_overlapping_and_dense():
+    if is_kernel_layout(t) and is_dense(t):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import inputs
+from . import inputs as checks
 from .backward import attention_backward
 from .errors import InvalidInputError, UnsupportedError
 from .forward import attention_forward
@@ -32,8 +32,8 @@ def attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 
 @attention_forward_op.register_fake
 def _(q, k, v, causal, scale, deterministic):
-    inputs.check_qkv(q, k, v)
-    return inputs.empty_in_memory_order(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+    checks.check_qkv(q, k, v)
+    return checks.empty_in_memory_order(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashkiln::attention_backward", mutates_args=())
@@ -46,11 +46,11 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 @attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, causal, scale, deterministic):
-    return tuple(inputs.empty_gradient_like(t) for t in (q, k, v))
+    return tuple(checks.empty_gradient_like(t) for t in (q, k, v))
 
 
-def _setup_context(ctx, inputs_, output) -> None:
-    q, k, v, causal, scale, deterministic = inputs_
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, scale, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic

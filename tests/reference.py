@@ -82,3 +82,16 @@ def fa_style_check(name: str, got: torch.Tensor, ref32: torch.Tensor, reflp: tor
     bound = k * base + floor
     assert err <= bound, (f"{name}: max|y - REF32| = {err:.3g} exceeds {k} * max|REFLP - REF32| ({base:.3g}) "
                           f"+ {floor:g} = {bound:.3g}\n{repro}")
+
+
+# Floor of the FA-style rule for gradients. delta = rowsum(dO * O) uses the forward's rounded O
+# (as FlashAttention does), so a gradient that is exactly 0 in exact math (a single visible key:
+# dS = 0) comes out at the 1e-5 level, while the low-precision reference is then exactly 0 too.
+GRAD_FLOOR = 1e-4
+
+
+def check_grads_against(grads, ref32: GradReference, reflp: GradReference, repro: str) -> None:
+    """FA-style(3) on dq, dk and dv."""
+    for name, got, r32, rlp in zip(("dq", "dk", "dv"), grads, (ref32.dq, ref32.dk, ref32.dv),
+                                   (reflp.dq, reflp.dk, reflp.dv)):
+        fa_style_check(name, got, r32, rlp, 3, repro, floor=GRAD_FLOOR)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashkiln
-from reference import attention_grad_reference, fa_style_check
+from reference import attention_grad_reference, check_grads_against
 
 pytestmark = pytest.mark.gpu
 
@@ -66,12 +66,9 @@ def _backward(dout, q, k, v, causal, scale=None, deterministic=False):
 
 
 def _check_grads(dout, q, k, v, causal, repro: str, scale=None, deterministic=False) -> None:
-    dq, dk, dv = _backward(dout, q, k, v, causal, scale, deterministic)
-    ref32 = attention_grad_reference(q, k, v, dout, causal, scale, torch.float32)
-    reflp = attention_grad_reference(q, k, v, dout, causal, scale, q.dtype)
-    fa_style_check("dq", dq, ref32.dq, reflp.dq, 3, repro)
-    fa_style_check("dk", dk, ref32.dk, reflp.dk, 3, repro)
-    fa_style_check("dv", dv, ref32.dv, reflp.dv, 3, repro)
+    grads = _backward(dout, q, k, v, causal, scale, deterministic)
+    check_grads_against(grads, attention_grad_reference(q, k, v, dout, causal, scale, torch.float32),
+                        attention_grad_reference(q, k, v, dout, causal, scale, q.dtype), repro)
 
 
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
@@ -107,12 +104,9 @@ def test_deterministic_is_bitwise_reproducible(hq, hkv, causal):
         again = _backward(dout, q, k, v, causal, deterministic=True)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"{name} differs between deterministic runs (seed {seed})"
-    ref32 = attention_grad_reference(q, k, v, dout, causal, None, torch.float32)
-    reflp = attention_grad_reference(q, k, v, dout, causal, None, q.dtype)
-    repro = _repro("test_deterministic_is_bitwise_reproducible", seed=seed, hq=hq, hkv=hkv, causal=causal)
-    for name, got, r32, rlp in zip(("dq", "dk", "dv"), first, (ref32.dq, ref32.dk, ref32.dv),
-                                   (reflp.dq, reflp.dk, reflp.dv)):
-        fa_style_check(name, got, r32, rlp, 3, repro)
+    check_grads_against(first, attention_grad_reference(q, k, v, dout, causal, None, torch.float32),
+                        attention_grad_reference(q, k, v, dout, causal, None, q.dtype),
+                        _repro("test_deterministic_is_bitwise_reproducible", seed=seed, hq=hq, hkv=hkv, causal=causal))
 
 
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
@@ -159,9 +153,6 @@ def test_layouts_strides_and_custom_scale():
     dq, dk, dv = flashkiln.attention_backward(dout, q, k, v, out, lse, causal="top_left", scale=0.2)
     for grad, inp in ((dq, q), (dk, k), (dv, v)):
         assert grad.stride() == inp.stride()
-    ref32 = attention_grad_reference(q, k, v, dout, "top_left", 0.2, torch.float32)
-    reflp = attention_grad_reference(q, k, v, dout, "top_left", 0.2, q.dtype)
-    repro = _repro("test_layouts_strides_and_custom_scale", seed=seed)
-    fa_style_check("dq", dq, ref32.dq, reflp.dq, 3, repro)
-    fa_style_check("dk", dk, ref32.dk, reflp.dk, 3, repro)
-    fa_style_check("dv", dv, ref32.dv, reflp.dv, 3, repro)
+    check_grads_against((dq, dk, dv), attention_grad_reference(q, k, v, dout, "top_left", 0.2, torch.float32),
+                        attention_grad_reference(q, k, v, dout, "top_left", 0.2, q.dtype),
+                        _repro("test_layouts_strides_and_custom_scale", seed=seed))
