@@ -21,11 +21,15 @@ def fail(message: str) -> None:
     raise InvalidInputError(message)
 
 
-def is_kernel_layout(t: torch.Tensor) -> bool:
-    """Head dim contiguous; every other stride (of a dim longer than 1) and the base 16-byte aligned."""
+def has_kernel_strides(t: torch.Tensor) -> bool:
+    """Head dim contiguous and every other stride (of a dim longer than 1) a multiple of 16 bytes."""
     elems = _ALIGN_BYTES // t.element_size()
-    strides_ok = all(s % elems == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
-    return t.stride(-1) == 1 and strides_ok and t.data_ptr() % _ALIGN_BYTES == 0
+    return t.stride(-1) == 1 and all(s % elems == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+
+
+def is_kernel_layout(t: torch.Tensor) -> bool:
+    """The kernels can read or write `t` in place: kernel strides and a 16-byte aligned base."""
+    return has_kernel_strides(t) and t.data_ptr() % _ALIGN_BYTES == 0
 
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
@@ -97,21 +101,14 @@ def empty_in_memory_order(q: torch.Tensor, d_v: int) -> torch.Tensor:
     return torch.empty((b, hq, sq, d_v), dtype=q.dtype, device=q.device)
 
 
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether `t`'s elements exactly fill its span: some permutation of its dims is contiguous."""
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def empty_gradient_like(t: torch.Tensor) -> torch.Tensor:
-    """A gradient buffer with `t`'s strides when the kernels can write them, else contiguous."""
-    if is_kernel_layout(t) and is_dense(t):
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    """A gradient buffer with `t`'s strides when those are dense and kernel-aligned, else contiguous.
+
+    Decided from shapes and strides alone (a fresh allocation is aligned), so the custom ops' fake
+    implementations give the same strides as the real ones, also under symbolic shapes.
+    """
+    grad = torch.empty_like(t, memory_format=torch.preserve_format)
+    return grad if has_kernel_strides(grad) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def stride_fields(prefix: str, t: torch.Tensor) -> dict[str, int]:

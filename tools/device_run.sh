@@ -25,6 +25,12 @@ for step in $steps; do
           | tee "$out/sanitize-$tool.log" | tail -8
       done
       ;;
+    profile)
+      timeout 200 ncu --clock-control none --kernel-name regex:'flashkiln_bwd_portable|flash_bwd_dq_dk_dv' \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --section LaunchStats tools/pyenv.sh python3 tools/profile_bwd.py ${PROFILE_ARGS:-128 4096} 2>&1 \
+        | tee "$out/profile.log" | grep -E "bwd|Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|Registers|Achieved Occupancy|Theoretical Occupancy" | head -60
+      ;;
     bench)
       extra=()
       for d in build/sweep/c*/; do [ -f "$d/manifest.json" ] && extra+=(--extra-kernel-dir "$(basename "$d")=$d"); done

@@ -42,7 +42,10 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
 
   extern __shared__ __align__(128) char smem[];
   const int tidx = threadIdx.x;
-  const int n_block = blockIdx.x;
+  const int n_tiles = gridDim.x;
+  // Deterministic: key tiles add into each query tile from the last one down (see below), and
+  // each CTA may only wait for CTAs launched before it, so tile n_tiles - 1 gets the first CTA.
+  const int n_block = T::kDeterministic ? n_tiles - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int head_kv = head / (p.heads_q / p.heads_kv);
@@ -64,23 +67,13 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   auto v_base = reinterpret_cast<Element const*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
   float const* lse = reinterpret_cast<float const*>(p.lse) + bh * p.seqlen_q;
   float const* delta = reinterpret_cast<float const*>(p.delta) + bh * p.seqlen_q;
-  Tensor gQ = local_tile(make_tensor(make_gmem_ptr(q_base), make_shape(p.seqlen_q, Int<kDimQK>{}),
-                                     make_stride(p.q_row_stride, _1{})),
-                         Shape<Int<kBlockM>, Int<kDimQK>>{}, make_coord(_, 0));  // (M, dqk, m)
-  Tensor gdO = local_tile(make_tensor(make_gmem_ptr(do_base), make_shape(p.seqlen_q, Int<kDimV>{}),
-                                      make_stride(p.do_row_stride, _1{})),
-                          Shape<Int<kBlockM>, Int<kDimV>>{}, make_coord(_, 0));  // (M, dv, m)
-  Tensor gK = local_tile(make_tensor(make_gmem_ptr(k_base), make_shape(p.seqlen_k, Int<kDimQK>{}),
-                                     make_stride(p.k_row_stride, _1{})),
-                         Shape<Int<kBlockN>, Int<kDimQK>>{}, make_coord(n_block, 0));  // (N, dqk)
-  Tensor gV = local_tile(make_tensor(make_gmem_ptr(v_base), make_shape(p.seqlen_k, Int<kDimV>{}),
-                                     make_stride(p.v_row_stride, _1{})),
-                         Shape<Int<kBlockN>, Int<kDimV>>{}, make_coord(n_block, 0));  // (N, dv)
+  Tensor gQ = gmem_tiles<kBlockM, kDimQK>(q_base, p.seqlen_q, p.q_row_stride, _);     // (M, dqk, m)
+  Tensor gdO = gmem_tiles<kBlockM, kDimV>(do_base, p.seqlen_q, p.do_row_stride, _);   // (M, dv, m)
+  Tensor gK = gmem_tiles<kBlockN, kDimQK>(k_base, p.seqlen_k, p.k_row_stride, n_block);  // (N, dqk)
+  Tensor gV = gmem_tiles<kBlockN, kDimV>(v_base, p.seqlen_k, p.v_row_stride, n_block);   // (N, dv)
   // The dQ accumulator has seqlen_q_rounded rows per head, so whole tiles can be added unguarded.
-  Tensor gdQacc = local_tile(make_tensor(make_gmem_ptr(reinterpret_cast<float*>(p.dq_accum) +
-                                                       bh * p.seqlen_q_rounded * kDimQK),
-                                         make_shape(p.seqlen_q_rounded, Int<kDimQK>{}), make_stride(Int<kDimQK>{}, _1{})),
-                             Shape<Int<kBlockM>, Int<kDimQK>>{}, make_coord(_, 0));  // (M, dqk, m)
+  Tensor gdQacc = gmem_tiles<kBlockM, kDimQK>(reinterpret_cast<float*>(p.dq_accum) + bh * p.seqlen_q_rounded * kDimQK,
+                                              p.seqlen_q_rounded, kDimQK, _);  // (M, dqk, m)
 
   // ---- shared tensors ---------------------------------------------------------------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -254,12 +247,20 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       gemm_smem_smem(mma_q, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_q, copy_b_q, thr_copy_a_q, thr_copy_b_q);
       Tensor tdQgdQ = tdQgdQacc(_, _, _, m_block);
       if constexpr (T::kDeterministic) {
-        // Key tiles add into a query tile in key-tile order: every tile before this one sees this
-        // query tile too (visibility is monotone in the key index), so wait until all have added.
+        // Key tiles add into a query tile in a fixed order, from its last visible key tile down
+        // to tile 0: every tile below a contributing one contributes too (visibility is monotone
+        // in the key index), so waiting for n_last - n_block earlier additions is exact. Under a
+        // causal mask tile n + 1 starts n's query tiles' sweep earlier, so in steady state nobody
+        // waits; without a mask the CTAs of a head fall into a one-step lag behind each other.
+        int n_last = n_tiles - 1;
+        if constexpr (T::kCausal != Causal::none) {
+          const int last_row = min((m_block + 1) * kBlockM, p.seqlen_q) - 1;
+          n_last = min(n_last, (last_row + causal_offset) / kBlockN);
+        }
         cuda::atomic_ref<int, cuda::thread_scope_device> turn(
             reinterpret_cast<int*>(p.dq_semaphore)[bh * (p.seqlen_q_rounded / kBlockM) + m_block]);
         if (tidx == 0) {
-          while (turn.load(cuda::memory_order_acquire) != n_block) {
+          while (turn.load(cuda::memory_order_acquire) != n_last - n_block) {
           }
         }
         __syncthreads();
@@ -296,26 +297,18 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   if (p.heads_q == p.heads_kv) {
     auto dk_base = reinterpret_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
     auto dv_base = reinterpret_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
-    Tensor gdK = local_tile(make_tensor(make_gmem_ptr(dk_base), make_shape(p.seqlen_k, Int<kDimQK>{}),
-                                        make_stride(p.dk_row_stride, _1{})),
-                            Shape<Int<kBlockN>, Int<kDimQK>>{}, make_coord(n_block, 0));
-    Tensor gdV = local_tile(make_tensor(make_gmem_ptr(dv_base), make_shape(p.seqlen_k, Int<kDimV>{}),
-                                        make_stride(p.dv_row_stride, _1{})),
-                            Shape<Int<kBlockN>, Int<kDimV>>{}, make_coord(n_block, 0));
-    store_accumulator(acc_dk, thr_kv.partition_C(gdK), cK, p.scale, k_rows);
-    store_accumulator(acc_dv, thr_kv.partition_C(gdV), cV, 1.f, k_rows);
+    store_accumulator(acc_dk, thr_kv.partition_C(gmem_tiles<kBlockN, kDimQK>(dk_base, p.seqlen_k, p.dk_row_stride,
+                                                                             n_block)), cK, p.scale, k_rows);
+    store_accumulator(acc_dv, thr_kv.partition_C(gmem_tiles<kBlockN, kDimV>(dv_base, p.seqlen_k, p.dv_row_stride,
+                                                                            n_block)), cV, 1.f, k_rows);
   } else {
     // Per query head in fp32; the host sums each group in a fixed order.
     auto dk_base = reinterpret_cast<float*>(p.dk_accum) + bh * p.seqlen_k * kDimQK;
     auto dv_base = reinterpret_cast<float*>(p.dv_accum) + bh * p.seqlen_k * kDimV;
-    Tensor gdK = local_tile(make_tensor(make_gmem_ptr(dk_base), make_shape(p.seqlen_k, Int<kDimQK>{}),
-                                        make_stride(Int<kDimQK>{}, _1{})),
-                            Shape<Int<kBlockN>, Int<kDimQK>>{}, make_coord(n_block, 0));
-    Tensor gdV = local_tile(make_tensor(make_gmem_ptr(dv_base), make_shape(p.seqlen_k, Int<kDimV>{}),
-                                        make_stride(Int<kDimV>{}, _1{})),
-                            Shape<Int<kBlockN>, Int<kDimV>>{}, make_coord(n_block, 0));
-    store_accumulator(acc_dk, thr_kv.partition_C(gdK), cK, p.scale, k_rows);
-    store_accumulator(acc_dv, thr_kv.partition_C(gdV), cV, 1.f, k_rows);
+    store_accumulator(acc_dk, thr_kv.partition_C(gmem_tiles<kBlockN, kDimQK>(dk_base, p.seqlen_k, kDimQK, n_block)),
+                      cK, p.scale, k_rows);
+    store_accumulator(acc_dv, thr_kv.partition_C(gmem_tiles<kBlockN, kDimV>(dv_base, p.seqlen_k, kDimV, n_block)),
+                      cV, 1.f, k_rows);
   }
 }
 

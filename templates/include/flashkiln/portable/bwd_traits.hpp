@@ -3,21 +3,14 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cute/atom/copy_atom.hpp>
-#include <cute/atom/mma_atom.hpp>
 #include <cutlass/numeric_types.h>
 
 #include <flashkiln/common.hpp>
-#include <flashkiln/portable/fwd_traits.hpp>
+#include <flashkiln/portable/tile_traits.hpp>
 
 namespace flashkiln::portable {
 
 using namespace cute;
-
-// A (cols, rows) view of a (rows, cols) shared-memory layout: the transposed operand of a GEMM,
-// read with transposing ldmatrix.
-template <class Layout, int kRows, int kCols>
-using TransposedView = decltype(composition(Layout{}, make_layout(Shape<Int<kCols>, Int<kRows>>{}, GenRowMajor{})));
 
 // How many of `warps` split the rows of an (rows, cols) accumulator (the rest split the cols): 32
 // rows per warp where the tile allows, fewer when the column split would not divide `cols`.
@@ -32,7 +25,7 @@ constexpr int row_warps(int rows, int cols_a, int cols_b, int warps) {
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
           Causal kCausal_, bool kDeterministic_>
-struct BwdTraits {
+struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
   static constexpr int kDimV = kDimV_;
@@ -86,15 +79,6 @@ struct BwdTraits {
   using SmemLayoutdOtPlain = decltype(get_nonswizzle_portion(SmemLayoutdOt{}));
   using SmemLayoutKtPlain = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
   using SmemLayoutPdStPlain = decltype(get_nonswizzle_portion(SmemLayoutPdSt{}));
-
-  using SmemLoad = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
-  using SmemLoadTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
-  using SmemStore = Copy_Atom<DefaultCopy, Element>;
-
-  using GmemCopyQK = GmemTileCopy<Element, kThreads, kDimQK>;
-  using GmemCopyVO = GmemTileCopy<Element, kThreads, kDimV>;
-  static_assert(kBlockM % GmemCopyQK::kRowsPerPass == 0 && kBlockN % GmemCopyQK::kRowsPerPass == 0);
-  static_assert(kBlockM % GmemCopyVO::kRowsPerPass == 0 && kBlockN % GmemCopyVO::kRowsPerPass == 0);
 
   // Shared memory: kStages x (Q, dO), then K, V, then P and dS.
   static constexpr int kElemsQ = kBlockM * kDimQK;

@@ -47,18 +47,10 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
   auto k_base = reinterpret_cast<Element const*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
   auto v_base = reinterpret_cast<Element const*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
   auto o_base = reinterpret_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
-  Tensor mQ = make_tensor(make_gmem_ptr(q_base), make_shape(p.seqlen_q, Int<T::kDimQK>{}),
-                          make_stride(p.q_row_stride, _1{}));
-  Tensor mK = make_tensor(make_gmem_ptr(k_base), make_shape(p.seqlen_k, Int<T::kDimQK>{}),
-                          make_stride(p.k_row_stride, _1{}));
-  Tensor mV = make_tensor(make_gmem_ptr(v_base), make_shape(p.seqlen_k, Int<T::kDimV>{}),
-                          make_stride(p.v_row_stride, _1{}));
-  Tensor mO = make_tensor(make_gmem_ptr(o_base), make_shape(p.seqlen_q, Int<T::kDimV>{}),
-                          make_stride(p.o_row_stride, _1{}));
-  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<T::kDimQK>>{}, make_coord(m_block, 0));  // (M, dqk)
-  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<T::kDimQK>>{}, make_coord(_, 0));        // (N, dqk, n)
-  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<T::kDimV>>{}, make_coord(_, 0));         // (N, dv, n)
-  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<T::kDimV>>{}, make_coord(m_block, 0));   // (M, dv)
+  Tensor gQ = gmem_tiles<kBlockM, T::kDimQK>(q_base, p.seqlen_q, p.q_row_stride, m_block);  // (M, dqk)
+  Tensor gK = gmem_tiles<kBlockN, T::kDimQK>(k_base, p.seqlen_k, p.k_row_stride, _);        // (N, dqk, n)
+  Tensor gV = gmem_tiles<kBlockN, T::kDimV>(v_base, p.seqlen_k, p.v_row_stride, _);         // (N, dv, n)
+  Tensor gO = gmem_tiles<kBlockM, T::kDimV>(o_base, p.seqlen_q, p.o_row_stride, m_block);   // (M, dv)
 
   // ---- shared tensors: Q (then O), and kStages buffers of K and V ----------------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -196,7 +188,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
   Tensor rO = convert_fragment<Element>(acc_o);
 
   __syncthreads();  // O reuses Q's shared memory
-  auto smem_store_o = make_tiled_copy_C(typename T::SmemStoreO{}, tiled_mma);
+  auto smem_store_o = make_tiled_copy_C(typename T::SmemStore{}, tiled_mma);
   auto thr_store_o = smem_store_o.get_thread_slice(tidx);
   copy(smem_store_o, thr_store_o.retile_S(rO), thr_store_o.partition_D(sO));
   __syncthreads();

@@ -106,6 +106,14 @@ __device__ __forceinline__ void gemm_regs_smem(TiledMma& mma, Acc& acc, RegA con
   }
 }
 
+// The (rows, kDim) row-major matrix at `base` (head dim contiguous), cut into (kRows, kDim) tiles;
+// `tile` picks one (an index) or keeps them all as a trailing mode (`_`).
+template <int kRows, int kDim, class Element, class Tile>
+__device__ __forceinline__ auto gmem_tiles(Element* base, int rows, int64_t row_stride, Tile tile) {
+  return local_tile(make_tensor(make_gmem_ptr(base), make_shape(rows, Int<kDim>{}), make_stride(row_stride, _1{})),
+                    Shape<Int<kRows>, Int<kDim>>{}, make_coord(tile, 0));
+}
+
 // The same shared-memory partition shifted to another pipeline stage's buffer.
 template <class Tensor>
 __device__ __forceinline__ auto at_offset(Tensor const& t, int elements) {
