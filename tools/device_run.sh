@@ -31,6 +31,24 @@ for step in $steps; do
         --section LaunchStats tools/pyenv.sh python3 tools/profile_bwd.py ${PROFILE_ARGS:-128 4096} 2>&1 \
         | tee "$out/profile.log" | grep -E "bwd|Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|Registers|Achieved Occupancy|Theoretical Occupancy" | head -60
       ;;
+    metrics)
+      m=lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum,lts__t_sectors_op_atom.sum
+      m=$m,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum
+      m=$m,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
+      m=$m,smsp__inst_executed.sum,sm__inst_executed_pipe_tensor_op_hmma.sum,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum
+      for r in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle lg_throttle wait membar drain \
+               not_selected selected dispatch_stall no_instruction imc_miss branch_resolving sleeping tex_throttle; do
+        m=$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+      done
+      timeout 200 ncu --clock-control none --kernel-name regex:'flashkiln_bwd_portable|flash_bwd_dq_dk_dv' --metrics $m \
+        tools/pyenv.sh python3 tools/profile_bwd.py ${PROFILE_ARGS:-128 4096} 2>&1 | tee "$out/metrics.log" \
+        | grep -E "bwd|sum|ratio" | grep -v "==PROF==" | head -80
+      ;;
+    conflicts)
+      timeout 200 ncu --clock-control none --kernel-name regex:'flashkiln_bwd_portable' --section SourceCounters \
+        --print-details all tools/pyenv.sh python3 tools/profile_bwd.py ${PROFILE_ARGS:-128 4096} > "$out/conflicts.log" 2>&1
+      ncu --version | head -2; grep -n -i -A30 "shared" "$out/conflicts.log" | head -80
+      ;;
     bench)
       extra=()
       for d in build/sweep/c*/; do [ -f "$d/manifest.json" ] && extra+=(--extra-kernel-dir "$(basename "$d")=$d"); done

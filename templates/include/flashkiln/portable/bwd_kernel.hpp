@@ -32,6 +32,28 @@ __device__ __forceinline__ void store_accumulator(Acc const& acc, Dst&& dst, Coo
   }
 }
 
+// dst += acc with fp32 reductions in global memory. Accumulator fragments hold column pairs
+// (2c, 2c+1) at indices (2i, 2i+1), adjacent in memory: on Hopper one vector reduction adds both,
+// which halves the reduction requests and the L2 sectors they touch (profiled: with scalar
+// reductions the LSU queue throttled issue, the top stall reason).
+template <class Dst, class Acc>
+__device__ __forceinline__ void atomic_add_fragment(Dst&& dst, Acc const& acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(decltype(size<0, 0>(acc))::value == 2, "accumulator fragments start with a column pair");
+  static_assert(decltype(stride<0, 0>(dst.layout()))::value == 1, "the column pair must be contiguous");
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(&dst(i)), "f"(acc(i)), "f"(acc(i + 1))
+                 : "memory");
+  }
+#else
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    atomicAdd(&dst(i), acc(i));
+  }
+#endif
+}
+
 template <class T>
 __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   using Element = typename T::Element;
@@ -264,20 +286,14 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
           }
         }
         __syncthreads();
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); ++i) {
-          atomicAdd(&tdQgdQ(i), acc_dq(i));
-        }
+        atomic_add_fragment(tdQgdQ, acc_dq);
         __threadfence();
         __syncthreads();
         if (tidx == 0) {
           turn.fetch_add(1, cuda::memory_order_release);
         }
       } else {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); ++i) {
-          atomicAdd(&tdQgdQ(i), acc_dq(i));
-        }
+        atomic_add_fragment(tdQgdQ, acc_dq);
       }
 
       gemm_smem_smem(mma_kv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_offset(tdKsQt, stage * T::kElemsQ), copy_a_kv,
