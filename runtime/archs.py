@@ -5,6 +5,7 @@ runtime (picking a cubin for the current device).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -36,7 +37,8 @@ ARCHS: dict[str, Arch] = {
 }
 
 
-def arch_preference(capability: tuple[int, int]) -> list[Arch]:
+@functools.lru_cache(maxsize=None)
+def arch_preference(capability: tuple[int, int]) -> tuple[Arch, ...]:
     """Archs whose cubins run on `capability`, best first (the most specific target first)."""
     usable = [a for a in ARCHS.values() if a.runs_on(capability)]
-    return sorted(usable, key=lambda a: (a.arch_specific, a.capability), reverse=True)
+    return tuple(sorted(usable, key=lambda a: (a.arch_specific, a.capability), reverse=True))

@@ -13,8 +13,6 @@ from .errors import CudaError
 
 
 class Driver(Protocol):
-    def version(self) -> int: ...
-
     def load_library(self, image: bytes) -> Any: ...
 
     def get_kernel(self, library: Any, symbol: str) -> Any: ...
@@ -45,9 +43,6 @@ class CudaDriver:
 
         self._cu = cu
         _check(cu.cuInit(0), "cuInit")
-
-    def version(self) -> int:
-        return _check(self._cu.cuDriverGetVersion(), "cuDriverGetVersion")
 
     def load_library(self, image: bytes) -> Any:
         return _check(self._cu.cuLibraryLoadData(image, None, None, 0, None, None, 0), "cuLibraryLoadData")

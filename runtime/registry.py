@@ -77,6 +77,10 @@ class KernelRegistry:
             index.setdefault(entry.variant.functional_key, []).append(entry)
         return index
 
+    @functools.cached_property
+    def _built_archs(self) -> list[str]:
+        return sorted({e.arch for e in self.manifest.kernels})
+
     @property
     def driver(self) -> Driver:
         if self._driver is None:
@@ -85,9 +89,11 @@ class KernelRegistry:
 
     # -- lookup ------------------------------------------------------------------------------
     def find(self, request: dict[str, Any], capability: tuple[int, int]) -> KernelEntry:
-        """The entry for `request` (every functional field but arch) that runs best on `capability`."""
+        """The entry for `request` (every functional field but arch) that runs best on `capability`.
+
+        On every call's launch path: dictionary lookups only."""
         runnable = [a.name for a in arch_preference(capability)]
-        built_archs = sorted({e.arch for e in self.manifest.kernels})
+        built_archs = self._built_archs
         if not any(a in built_archs for a in runnable):
             raise ArchMismatchError(
                 f"this GPU has compute capability {capability[0]}.{capability[1]}, but the kernels in "

@@ -23,10 +23,6 @@ class FakeDriver:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def version(self) -> int:
-        self.calls.append(("version",))
-        return 13000
-
     def load_library(self, image: bytes):
         self.calls.append(("load_library", image))
         return ("library", len([c for c in self.calls if c[0] == "load_library"]))
