@@ -9,8 +9,12 @@ SPECS ?= specs
 OUT ?= generated
 # On a GPU machine that has torch and cuda-bindings but no registry (the device), use its python3.
 GPU_PYTHON ?= python3
+# CUDA flavor of `make wheel`: 13 (NVRTC 13.0, in .venv) or 12 (NVRTC 12.9, in .venv-cu12).
+CUDA ?= 13
+VENV_CU12 := .venv-cu12
+WHEEL_PY := $(if $(filter 12,$(CUDA)),$(VENV_CU12)/bin/python,$(PY))
 
-.PHONY: all setup generate test gpu-test bench clean
+.PHONY: all setup generate test gpu-test bench wheel clean
 
 all: generate
 
@@ -22,12 +26,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[generator,dev]'
 	touch $@
 
+# The CUDA 12 flavor's generator lives in its own environment (cuda-bindings 12 loads NVRTC 12).
+$(VENV_CU12)/.installed: pyproject.toml
+	$(HOST_PYTHON) -m venv $(VENV_CU12)
+	$(VENV_CU12)/bin/python -m pip install -q --upgrade pip
+	$(VENV_CU12)/bin/python -m pip install -q torch==2.13.0
+	$(VENV_CU12)/bin/python -m pip install -q -e '.[generator-cu12]'
+	touch $@
+
 setup: $(VENV)/.installed
 
 generate: $(VENV)/.installed
 	$(PY) -m flashkiln.generator generate --specs $(SPECS) --out $(OUT) -j $(JOBS)
 
-test: $(VENV)/.installed
+# The CUDA 12 environment is part of the test setup: a test builds a cu12 wheel with it.
+test: $(VENV)/.installed $(VENV_CU12)/.installed
 	$(PY) -m pytest -q tests
 
 # GPU tests on a machine with a GPU, using that machine's python3 (no installs) and the
@@ -38,5 +51,9 @@ gpu-test:
 bench:
 	tools/pyenv.sh $(GPU_PYTHON) bench/bench.py --out build/bench
 
+# A wheel of the runtime with the cubins of $(SPECS) (and the generator, for opt-in JIT), into dist/.
+wheel: $(if $(filter 12,$(CUDA)),$(VENV_CU12)/.installed,$(VENV)/.installed)
+	$(WHEEL_PY) -m flashkiln.generator wheel --specs $(SPECS) --out dist -j $(JOBS)
+
 clean:
-	rm -rf build $(OUT)/manifest.json $(OUT)/*.cubin $(OUT)/*.cu
+	rm -rf build dist $(OUT)/manifest.json $(OUT)/*.cubin $(OUT)/src

@@ -1,4 +1,4 @@
-"""Command line: `python -m flashkiln.generator {list,generate} ...`."""
+"""Command line: `python -m flashkiln.generator {list,generate,merge,wheel} ...`."""
 from __future__ import annotations
 
 import argparse
@@ -6,9 +6,22 @@ import os
 import sys
 from pathlib import Path
 
-from .build import DEFAULT_CACHE_DIR, GenerateError, generate, select
+from .build import DEFAULT_CACHE_DIR, GenerateError, MergeError, Selection, generate, merge, parse_shard, plan_units
 from .specs import SpecError, load_variants
 from .toolchain import ToolchainError
+
+
+def _selection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--specs", type=Path, default=Path("specs"))
+    parser.add_argument("--filter", help="only variants whose name matches this regex")
+    parser.add_argument("--exclude", help="drop variants whose name matches this regex")
+
+
+def _build_args(parser: argparse.ArgumentParser) -> None:
+    _selection_args(parser)
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: all cores)")
+    parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("FLASHKILN_BUILD_CACHE", DEFAULT_CACHE_DIR)))
+    parser.add_argument("--no-progress", action="store_true")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,27 +29,49 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_list = sub.add_parser("list", help="print each variant's name and hash")
-    p_list.add_argument("--specs", type=Path, default=Path("specs"))
-    p_list.add_argument("--filter", help="only variants whose name matches this regex")
+    _selection_args(p_list)
 
     p_gen = sub.add_parser("generate", help="render, compile and write cubins plus manifest.json")
-    p_gen.add_argument("--specs", type=Path, default=Path("specs"))
+    _build_args(p_gen)
     p_gen.add_argument("--out", type=Path, default=Path("generated"))
-    p_gen.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: all cores)")
-    p_gen.add_argument("--filter", help="only variants whose name matches this regex")
-    p_gen.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("FLASHKILN_BUILD_CACHE", DEFAULT_CACHE_DIR)))
-    p_gen.add_argument("--no-progress", action="store_true")
+    p_gen.add_argument("--shard", type=parse_shard, help="i/n: build only shard i of n (merge them with `merge`)")
+    p_gen.add_argument("--list", action="store_true", help="print the compile units and variants it would build, "
+                                                           "compile nothing")
+    p_gen.add_argument("--quiet", action="store_true", help="no per-unit report")
+
+    p_merge = sub.add_parser("merge", help="combine the outputs of sharded generate runs")
+    p_merge.add_argument("--out", type=Path, required=True)
+    p_merge.add_argument("shards", type=Path, nargs="+")
+
+    p_wheel = sub.add_parser("wheel", help="build a wheel of the runtime with the specs' cubins")
+    _build_args(p_wheel)
+    p_wheel.add_argument("--out", type=Path, default=Path("dist"))
 
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            variants = select(load_variants(args.specs), args.filter)
+            variants = Selection(args.filter, args.exclude).variants(load_variants(args.specs))
             for v in variants:
                 print(f"{v.descriptor.name}  {v.descriptor.hash}")
             print(f"{len(variants)} variant(s)", file=sys.stderr)
+        elif args.command == "generate":
+            selection = Selection(args.filter, args.exclude, args.shard)
+            if args.list:
+                units = plan_units(args.specs, selection)
+                for unit in units:
+                    print(f"{unit.name}: " + " ".join(v.descriptor.name for v in unit.variants))
+                print(f"{sum(len(u.variants) for u in units)} variant(s) in {len(units)} unit(s)", file=sys.stderr)
+            else:
+                generate(args.specs, args.out, args.jobs, selection, args.cache_dir, progress=not args.no_progress,
+                         report=not args.quiet)
+        elif args.command == "merge":
+            merge(args.out, args.shards)
         else:
-            generate(args.specs, args.out, args.jobs, args.filter, args.cache_dir, progress=not args.no_progress)
-    except (SpecError, GenerateError, ToolchainError) as exc:
+            from .wheel import build_wheel
+
+            build_wheel(args.specs, args.out, args.jobs, Selection(args.filter, args.exclude), args.cache_dir,
+                        progress=not args.no_progress)
+    except (SpecError, GenerateError, MergeError, ToolchainError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -32,7 +33,7 @@ class GenerateError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class _Unit:
+class CompileUnit:
     """Variants compiled together into one cubin (see render.py)."""
 
     variants: tuple[Variant, ...]
@@ -50,7 +51,7 @@ class _Unit:
         return f"{first.kernel}_{first.family}_{first.arch.replace('_', '')}_{dims}_{self.key[:8]}"
 
 
-def _units(variants: list[Variant]) -> list[_Unit]:
+def _units(variants: list[Variant]) -> list[CompileUnit]:
     groups: dict[tuple, list[Variant]] = {}
     for v in variants:
         groups.setdefault(unit_key(v.descriptor), []).append(v)
@@ -59,18 +60,52 @@ def _units(variants: list[Variant]) -> list[_Unit]:
     for members in groups.values():
         members.sort(key=lambda v: v.descriptor.name)
         source = render_unit([v.descriptor for v in members])
-        units.append(_Unit(tuple(members), source, cache_key(source, tc.identity, members[0].descriptor.arch)))
+        units.append(CompileUnit(tuple(members), source, cache_key(source, tc.identity, members[0].descriptor.arch)))
     return sorted(units, key=lambda u: u.name)
 
 
-def select(variants: list[Variant], pattern: str | None) -> list[Variant]:
-    if not pattern:
-        return variants
-    regex = re.compile(pattern)
-    return [v for v in variants if regex.search(v.descriptor.name)]
+@dataclass(frozen=True)
+class Selection:
+    """Which variants a build takes: names matching `pattern` and not `exclude`, then shard i of n."""
+
+    pattern: str | None = None
+    exclude: str | None = None
+    shard: tuple[int, int] | None = None  # (index, count), 0 <= index < count
+
+    def variants(self, variants: list[Variant]) -> list[Variant]:
+        keep = re.compile(self.pattern) if self.pattern else None
+        drop = re.compile(self.exclude) if self.exclude else None
+        return [v for v in variants if (keep is None or keep.search(v.descriptor.name))
+                and not (drop and drop.search(v.descriptor.name))]
+
+    def units(self, units: list[CompileUnit]) -> list[CompileUnit]:
+        """Shards split whole compile units, deterministically: the same specs give the same split on
+        every machine (ordered by descriptor fields, not by anything the toolchain computes)."""
+        if self.shard is None:
+            return units
+        index, count = self.shard
+        ordered = sorted(units, key=lambda u: repr(unit_key(u.variants[0].descriptor)))
+        return sorted(ordered[index::count], key=lambda u: u.name)
+
+    def describe(self) -> dict:
+        return {"filter": self.pattern, "exclude": self.exclude,
+                "shard": None if self.shard is None else f"{self.shard[0]}/{self.shard[1]}"}
 
 
-def _compile_all(units: list[_Unit], workers: int, progress: bool) -> dict[str, CompileResult]:
+def parse_shard(text: str) -> tuple[int, int]:
+    """'i/n' -> (i, n) with 0 <= i < n."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not match or not int(match.group(1)) < int(match.group(2)):
+        raise ValueError(f"--shard takes i/n with 0 <= i < n, got {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def plan_units(specs_dir: Path, selection: Selection = Selection()) -> list[CompileUnit]:
+    """The compile units a build would compile (rendered, keyed), without compiling anything."""
+    return selection.units(_units(selection.variants(load_variants(Path(specs_dir)))))
+
+
+def _compile_all(units: list[CompileUnit], workers: int, progress: bool) -> dict[str, CompileResult]:
     """Compile every unit; collect all failures before raising, so one run shows every broken one."""
     tc = toolchain()
     results: dict[str, CompileResult] = {}
@@ -78,7 +113,7 @@ def _compile_all(units: list[_Unit], workers: int, progress: bool) -> dict[str, 
     bar = tqdm(total=sum(len(u.variants) for u in units), desc="compiling", unit="variant", disable=not progress,
                file=sys.stderr)
 
-    def done(unit: _Unit, outcome) -> None:
+    def done(unit: CompileUnit, outcome) -> None:
         try:
             results[unit.key] = outcome()
         except CompileError as exc:
@@ -115,13 +150,57 @@ def _remove_stale(out_dir: Path, keep: set[str]) -> None:
             path.unlink()
 
 
-def generate(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1, pattern: str | None = None,
-             cache_dir: Path = DEFAULT_CACHE_DIR, progress: bool = True) -> Manifest:
-    start = time.perf_counter()
-    variants = select(load_variants(Path(specs_dir)), pattern)
+def _report(units: list[CompileUnit], results: dict[str, CompileResult], compiled: dict[str, CompileResult]) -> None:
+    """Per compile unit: its variants, compile time (or cached) and cubin size; then MiB per arch."""
+    per_arch: dict[str, int] = {}
+    for unit in units:
+        result = results[unit.key]
+        per_arch[unit.arch] = per_arch.get(unit.arch, 0) + len(result.cubin)
+        how = f"{result.seconds:6.1f} s" if unit.key in compiled else "  cached"
+        print(f"  {unit.name}: {len(unit.variants)} variant(s), {how}, {len(result.cubin) / 2**10:7.0f} KiB")
+        for v in unit.variants:
+            print(f"      {v.descriptor.name}")
+    print("  cubins per arch: " + ", ".join(f"{a} {n / 2**20:.1f} MiB" for a, n in sorted(per_arch.items())))
+
+
+def _entries(unit: CompileUnit, result: CompileResult, cubin_name: str) -> list[KernelEntry]:
     tc = toolchain()
+    entries = []
+    for variant in unit.variants:
+        d = variant.descriptor
+        family = FAMILIES[d.family]
+        usage = result.resources(d.symbol)
+        entries.append(KernelEntry(
+            hash=d.hash, name=d.name, symbol=d.symbol, arch=d.arch, descriptor=d.as_dict(),
+            cubin=cubin_name, sha256=hashlib.sha256(result.cubin).hexdigest(), cubin_bytes=len(result.cubin),
+            threads=family.threads(d), smem_bytes=family.smem_bytes(d),
+            params_layout=params_layout(d.kernel).digest, registers=usage.registers,
+            spill_bytes=usage.spill_bytes, compile_seconds=round(result.seconds, 2), spec=variant.spec_file,
+            nvrtc_version=tc.versions["nvrtc"], cutlass_version=tc.versions["nvidia-cutlass"],
+            generator_version=GENERATOR_VERSION,
+        ))
+    return entries
+
+
+def build_identity(specs_dir: Path) -> dict:
+    """What a build's cubins are a function of: versions, toolchain and specs."""
+    tc = toolchain()
+    return {
+        "flashkiln_version": flashkiln.__version__,
+        "generator_version": GENERATOR_VERSION,
+        "cuda_flavor": tc.cuda_flavor,
+        "toolchain": tc.versions,
+        "toolchain_identity": tc.identity[:16],
+        "specs_digest": _specs_digest(Path(specs_dir)),
+        "spec_files": [str(p.name) for p in spec_files(Path(specs_dir))],
+    }
+
+
+def generate(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1, selection: Selection = Selection(),
+             cache_dir: Path = DEFAULT_CACHE_DIR, progress: bool = True, report: bool = False) -> Manifest:
+    start = time.perf_counter()
+    units = plan_units(specs_dir, selection)
     cache = CompileCache(cache_dir)
-    units = _units(variants)
     results = {u.key: r for u in units if (r := cache.get(u.key)) is not None}
     missing = [u for u in units if u.key not in results]
     compiled = _compile_all(missing, workers, progress) if missing else {}
@@ -134,36 +213,49 @@ def generate(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1,
     entries = []
     for unit in units:
         result = results[unit.key]
-        cubin_name = f"{unit.name}.cubin"
-        atomic_write(out_dir / cubin_name, result.cubin)
+        atomic_write(out_dir / f"{unit.name}.cubin", result.cubin)
         atomic_write(out_dir / "src" / f"{unit.name}.cu", unit.source.encode())
-        for variant in unit.variants:
-            d = variant.descriptor
-            family = FAMILIES[d.family]
-            usage = result.resources(d.symbol)
-            entries.append(KernelEntry(
-                hash=d.hash, name=d.name, symbol=d.symbol, arch=d.arch, descriptor=d.as_dict(),
-                cubin=cubin_name, sha256=hashlib.sha256(result.cubin).hexdigest(), cubin_bytes=len(result.cubin),
-                threads=family.threads(d), smem_bytes=family.smem_bytes(d),
-                params_layout=params_layout(d.kernel).digest, registers=usage.registers,
-                spill_bytes=usage.spill_bytes, compile_seconds=round(result.seconds, 2), spec=variant.spec_file,
-                nvrtc_version=tc.versions["nvrtc"], cutlass_version=tc.versions["nvidia-cutlass"],
-                generator_version=GENERATOR_VERSION,
-            ))
-    build = {
-        "flashkiln_version": flashkiln.__version__,
-        "generator_version": GENERATOR_VERSION,
-        "toolchain": tc.versions,
-        "toolchain_identity": tc.identity[:16],
-        "specs_digest": _specs_digest(Path(specs_dir)),
-        "spec_files": [str(p.name) for p in spec_files(Path(specs_dir))],
-        "filter": pattern,
-    }
+        entries += _entries(unit, result, f"{unit.name}.cubin")
+    build = {**build_identity(specs_dir), "selection": selection.describe()}
     manifest = Manifest(out_dir, build, tuple(sorted(entries, key=lambda e: e.name)))
     atomic_write(out_dir / MANIFEST_NAME, manifest.to_json().encode())
     _remove_stale(out_dir, {f"{u.name}.cubin" for u in units} | {f"{u.name}.cu" for u in units})
+    if report:
+        _report(units, results, compiled)
     elapsed = time.perf_counter() - start
     print(f"generated {len(entries)} variant(s) in {len(units)} cubin(s) into {out_dir} in {elapsed:.1f} s "
           f"({len(compiled)} unit(s) compiled, {len(units) - len(compiled)} from cache; "
           f"{sum(len(results[u.key].cubin) for u in units) / 2**20:.1f} MiB of cubins)")
     return manifest
+
+
+class MergeError(RuntimeError):
+    """Shard outputs that do not belong to one build, or that disagree about a kernel."""
+
+
+def merge(out_dir: Path, shard_dirs: list[Path]) -> Manifest:
+    """Combine the outputs of `generate --shard i/n` runs (from several machines) into one directory."""
+    manifests = [Manifest.load(d) for d in shard_dirs]
+    identity_keys = ("flashkiln_version", "generator_version", "toolchain_identity", "specs_digest")
+    identities = {tuple(m.build.get(k) for k in identity_keys) for m in manifests}
+    if len(identities) != 1:
+        raise MergeError(f"the shards come from different builds ({', '.join(identity_keys)} differ): "
+                         + "; ".join(f"{m.directory}: {[m.build.get(k) for k in identity_keys]}" for m in manifests))
+    out_dir = Path(out_dir)
+    (out_dir / "src").mkdir(parents=True, exist_ok=True)
+    entries: dict[str, KernelEntry] = {}
+    for m in manifests:
+        for e in m.kernels:
+            if e.hash in entries and entries[e.hash].sha256 != e.sha256:
+                raise MergeError(f"{e.name} was built twice with different cubins ({m.directory})")
+            entries[e.hash] = e
+            if not (out_dir / e.cubin).exists():
+                shutil.copyfile(m.directory / e.cubin, out_dir / e.cubin)
+                source = m.directory / "src" / e.cubin.replace(".cubin", ".cu")
+                if source.exists():
+                    shutil.copyfile(source, out_dir / "src" / source.name)
+    build = {**manifests[0].build, "selection": {"merged_shards": [str(m.build.get("selection")) for m in manifests]}}
+    merged = Manifest(out_dir, build, tuple(sorted(entries.values(), key=lambda e: e.name)))
+    atomic_write(out_dir / MANIFEST_NAME, merged.to_json().encode())
+    print(f"merged {len(manifests)} shard(s) into {out_dir}: {len(entries)} variant(s)")
+    return merged

@@ -188,14 +188,15 @@ def _load_tuning(path: Path, display: str, family: str, out: _Collector) -> Loca
     return table
 
 
-def _tuning_row(table: LocatedDict, kernel: str, arch: str, dims: tuple[int, int]) -> LocatedDict | None:
+def tuning_row(table: dict, kernel: str, arch: str, dims: tuple[int, int]) -> dict | None:
+    """The performance fields of (kernel, arch, head dims) in a tuning table, or None."""
     row: Any = table
     for key in (kernel, arch, head_dims_key(*dims)):
         if not isinstance(row, dict):
             return None
         # YAML reads `128:` as an int key, `192x128:` as a string key.
         row = row.get(key, row.get(int(key)) if isinstance(key, str) and key.isdigit() else None)
-    return row if isinstance(row, LocatedDict) else None
+    return row if isinstance(row, dict) else None
 
 
 def _descriptor(fields: dict[str, Any], row: LocatedDict, context: str, group_where: Where, group_context: str,
@@ -276,7 +277,7 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
                 continue
             if tuning is None:
                 continue
-            row = _tuning_row(tuning, fields["kernel"], fields["arch"], (d_qk, d_v))
+            row = tuning_row(tuning, fields["kernel"], fields["arch"], (d_qk, d_v))
             if row is None:
                 out.add(where, f"variants[{gi}]",
                         f"no tuning for {fields['kernel']} {fields['arch']} head dims "

@@ -1,5 +1,5 @@
 """flashkiln: ahead-of-time generated fused attention kernels for NVIDIA GPUs."""
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # before the imports: submodules import it
 
 from .forward import attention_forward
 from .backward import attention_backward
@@ -7,6 +7,7 @@ from .descriptor import VariantDescriptor
 from .errors import (
     ArchMismatchError,
     CudaError,
+    DriverTooOldError,
     FlashkilnError,
     InvalidInputError,
     KernelIntegrityError,
@@ -20,6 +21,7 @@ from .registry import KernelRegistry
 __all__ = [
     "ArchMismatchError",
     "CudaError",
+    "DriverTooOldError",
     "FlashkilnError",
     "InvalidInputError",
     "KernelIntegrityError",

@@ -13,6 +13,8 @@ from .errors import CudaError
 
 
 class Driver(Protocol):
+    def version(self) -> int: ...
+
     def load_library(self, image: bytes) -> Any: ...
 
     def get_kernel(self, library: Any, symbol: str) -> Any: ...
@@ -43,6 +45,10 @@ class CudaDriver:
 
         self._cu = cu
         _check(cu.cuInit(0), "cuInit")
+
+    def version(self) -> int:
+        """The CUDA version the driver supports, as 1000 * major + 10 * minor."""
+        return _check(self._cu.cuDriverGetVersion(), "cuDriverGetVersion")
 
     def load_library(self, image: bytes) -> Any:
         return _check(self._cu.cuLibraryLoadData(image, None, None, 0, None, None, 0), "cuLibraryLoadData")

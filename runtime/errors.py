@@ -30,5 +30,9 @@ class VariantNotFoundError(FlashkilnError, LookupError):
     """The call needs a kernel variant that was not generated."""
 
 
+class DriverTooOldError(FlashkilnError):
+    """The NVIDIA driver is older than the CUDA version that built the kernels."""
+
+
 class CudaError(FlashkilnError, RuntimeError):
     """A CUDA driver call failed."""

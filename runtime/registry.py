@@ -12,9 +12,10 @@ from typing import Any
 
 from .archs import ARCHS, arch_preference
 from .descriptor import FUNCTIONAL_FIELDS, PERFORMANCE_FIELDS
+from . import jit
 from .driver import CudaDriver, Driver
-from .errors import ArchMismatchError, KernelIntegrityError, ManifestError, VariantNotFoundError
-from .manifest import KernelEntry, Manifest
+from .errors import ArchMismatchError, DriverTooOldError, KernelIntegrityError, ManifestError, VariantNotFoundError
+from .manifest import MANIFEST_NAME, KernelEntry, Manifest
 from .params import params_layout
 
 PACKAGE_KERNEL_DIR = Path(__file__).resolve().parent / "kernels"  # where a wheel puts its cubins
@@ -55,19 +56,40 @@ def _yaml_hint(fields: dict[str, Any], spec: str) -> str:
     )
 
 
-class KernelRegistry:
-    """The kernels of one generated directory, loaded lazily and at most once per device."""
+def _required_driver(nvrtc_version: str) -> int:
+    """The cuDriverGetVersion value a cubin built by NVRTC `major.minor` needs (13.0 -> 13000)."""
+    major, minor = (int(x) for x in nvrtc_version.split(".")[:2])
+    return 1000 * major + 10 * minor
 
-    def __init__(self, directory: Path | None = None, driver: Driver | None = None):
+
+class KernelRegistry:
+    """The kernels of one generated directory, loaded lazily and at most once per device.
+
+    With a JIT cache (FLASHKILN_JIT=1 by default, or `jit=`), a variant the directory lacks is
+    compiled on first use instead of raising VariantNotFoundError.
+    """
+
+    def __init__(self, directory: Path | None = None, driver: Driver | None = None,
+                 jit_cache: jit.JitCache | None = None):
         self.directory = Path(directory) if directory is not None else default_kernel_dir()
         self._driver = driver
+        self._jit_cache = jit_cache
+        self._jit_entries: dict[tuple, KernelEntry] = {}
         self._libraries: dict[str, Any] = {}  # cubin file -> library handle
         self._kernels: dict[str, LoadedKernel] = {}  # variant hash -> kernel handle
         self._configured: set[tuple[str, int]] = set()  # (variant hash, device) with attributes set
         self._lock = threading.Lock()
 
+    @property
+    def jit_cache(self) -> jit.JitCache | None:
+        if self._jit_cache is None and jit.enabled():
+            self._jit_cache = jit.JitCache()
+        return self._jit_cache
+
     @functools.cached_property
     def manifest(self) -> Manifest:
+        if self.jit_cache is not None and not (self.directory / MANIFEST_NAME).exists():
+            return Manifest(self.directory, {}, ())  # JIT alone, nothing precompiled
         return Manifest.load(self.directory)
 
     @functools.cached_property
@@ -95,6 +117,8 @@ class KernelRegistry:
         runnable = [a.name for a in arch_preference(capability)]
         built_archs = self._built_archs
         if not any(a in built_archs for a in runnable):
+            if runnable and self.jit_cache is not None:
+                return self._jit_entry(request, runnable)
             raise ArchMismatchError(
                 f"this GPU has compute capability {capability[0]}.{capability[1]}, but the kernels in "
                 f"{self.directory} are built for {', '.join(built_archs) or 'no arch'}, none of which runs on it "
@@ -106,8 +130,27 @@ class KernelRegistry:
             entries = self._index.get(tuple(fields[k] for k in FUNCTIONAL_FIELDS))
             if entries:
                 return entries[0]
+        if self.jit_cache is not None:
+            return self._jit_entry(request, runnable)
         wanted = {**request, "arch": next(a for a in runnable if a in built_archs)}
         raise VariantNotFoundError(self._not_found_message(wanted))
+
+    def _jit_entry(self, request: dict[str, Any], archs: list[str]) -> KernelEntry:
+        """Compile (or take from the JIT cache) the request for the best of `archs` it has a tuning for."""
+        key = (*(request[k] for k in FUNCTIONAL_FIELDS if k != "arch"), tuple(archs))
+        if key not in self._jit_entries:
+            from .generator.jit import JitError
+
+            problems = []
+            for arch in archs:
+                try:
+                    self._jit_entries[key] = self.jit_cache.get_or_compile(request, arch)
+                    break
+                except JitError as exc:
+                    problems.append(str(exc))
+            else:
+                raise VariantNotFoundError("no generated kernel, and JIT cannot build one: " + "; ".join(problems))
+        return self._jit_entries[key]
 
     def _not_found_message(self, wanted: dict[str, Any]) -> str:
         def distance(e: KernelEntry) -> int:
@@ -141,7 +184,22 @@ class KernelRegistry:
                 self._configured.add((entry.hash, device))
             return kernel
 
+    @functools.cached_property
+    def _driver_version(self) -> int:
+        return self.driver.version()
+
+    def _check_driver(self, entry: KernelEntry) -> None:
+        needed = _required_driver(entry.nvrtc_version)
+        if self._driver_version < needed:
+            have = f"{self._driver_version // 1000}.{self._driver_version % 1000 // 10}"
+            raise DriverTooOldError(
+                f"{entry.name} was built by NVRTC {entry.nvrtc_version} (CUDA {entry.nvrtc_version.split('.')[0]} "
+                f"flavor); this driver supports CUDA {have}: update the NVIDIA driver, or install the flashkiln "
+                f"build of the CUDA flavor your driver supports (e.g. flashkiln-...+cu{have.split('.')[0]})"
+            )
+
     def _get_kernel(self, entry: KernelEntry) -> Any:
+        self._check_driver(entry)
         expected_layout = params_layout(entry.descriptor["kernel"]).digest
         if entry.params_layout != expected_layout:
             raise ManifestError(
@@ -166,6 +224,16 @@ class KernelRegistry:
                 "the file is corrupt or was replaced; regenerate or reinstall the kernels"
             )
         return image
+
+    def verify(self) -> list[str]:
+        """Every cubin of the manifest checked against its sha256 now: one message per problem."""
+        problems = []
+        for entry in {e.cubin: e for e in self.manifest.kernels}.values():
+            try:
+                self._verified_image(entry)
+            except KernelIntegrityError as exc:
+                problems.append(str(exc))
+        return problems
 
     def launch(self, entry: KernelEntry, device: int, capability: tuple[int, int], grid: tuple[int, int, int],
                params: ctypes.Structure, stream: int) -> None:

@@ -40,3 +40,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(f"GPU tests required (FLASHKILN_REQUIRE_GPU=1) but: {reason}")
     for item in gpu_items:
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# The smallest portable forward (one warp, 16 x 16 tiles, d = 32): what the CPU tests compile.
+TINY_TUNING = {"tile_m": 16, "tile_n": 16, "warps": 1, "stages": 1}
+
+
+def write_tiny_specs(root: Path) -> Path:
+    import yaml
+
+    (root / "tuning").mkdir(parents=True, exist_ok=True)
+    (root / "tiny.yaml").write_text(yaml.safe_dump({
+        "family": "portable", "tuning": "tuning/portable.yaml",
+        "variants": [{"kernel": ["fwd"], "arch": ["sm_80", "sm_90a"], "dtype": ["bf16"], "head_dims": [32],
+                      "causal": ["none", "bottom_right"]}],
+    }))
+    (root / "tuning" / "portable.yaml").write_text(yaml.safe_dump(
+        {"fwd": {"sm_80": {32: TINY_TUNING}, "sm_90a": {32: TINY_TUNING}}}))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_specs(tmp_path_factory) -> Path:
+    return write_tiny_specs(tmp_path_factory.mktemp("tiny-specs"))
+
+
+@pytest.fixture(scope="session")
+def build_cache(tmp_path_factory) -> Path:
+    """One NVRTC cache for the whole session: each tiny unit compiles once."""
+    return tmp_path_factory.mktemp("nvrtc-cache")

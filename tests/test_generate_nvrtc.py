@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from flashkiln.generator import build
 from flashkiln.generator.nvrtc import CompileError, compile_cubin
@@ -18,28 +17,11 @@ from flashkiln.registry import KernelRegistry
 
 pytestmark = pytest.mark.nvrtc
 
-# The smallest tile the portable forward accepts: one warp, 16 x 16, d = 32.
-TINY_TUNING = {"tile_m": 16, "tile_n": 16, "warps": 1, "stages": 1}
-
-
-def _tiny_specs(root: Path) -> Path:
-    (root / "tuning").mkdir(parents=True)
-    (root / "tiny.yaml").write_text(yaml.safe_dump({
-        "family": "portable", "tuning": "tuning/portable.yaml",
-        "variants": [{"kernel": ["fwd"], "arch": ["sm_80", "sm_90a"], "dtype": ["bf16"], "head_dims": [32],
-                      "causal": ["none", "bottom_right"]}],
-    }))
-    (root / "tuning" / "portable.yaml").write_text(yaml.safe_dump(
-        {"fwd": {"sm_80": {32: TINY_TUNING}, "sm_90a": {32: TINY_TUNING}}}))
-    return root
-
-
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory) -> tuple[Path, Path, Manifest]:
-    root = tmp_path_factory.mktemp("nvrtc")
-    specs, cache = _tiny_specs(root / "specs"), root / "cache"
-    manifest = build.generate(specs, root / "out", workers=2, cache_dir=cache, progress=False)
-    return specs, cache, manifest
+def generated(tmp_path_factory, tiny_specs, build_cache) -> tuple[Path, Path, Manifest]:
+    out = tmp_path_factory.mktemp("nvrtc") / "out"
+    manifest = build.generate(tiny_specs, out, workers=2, cache_dir=build_cache, progress=False)
+    return tiny_specs, build_cache, manifest
 
 
 def test_manifest_records_each_cubin(generated):

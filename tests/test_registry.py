@@ -23,6 +23,9 @@ class FakeDriver:
     def __init__(self):
         self.calls: list[tuple] = []
 
+    def version(self) -> int:
+        return 13000
+
     def load_library(self, image: bytes):
         self.calls.append(("load_library", image))
         return ("library", len([c for c in self.calls if c[0] == "load_library"]))
@@ -338,3 +341,14 @@ def test_manifest_not_an_object_is_a_manifest_error(tmp_path):
 def test_kernel_entry_fields_match_the_writer():
     # write_manifest above must produce every KernelEntry field, or Manifest.load rejects it.
     assert set(dataclasses.asdict(kernel_entry(descriptor()))) == {f.name for f in dataclasses.fields(KernelEntry)}
+
+
+def test_a_driver_older_than_the_kernels_toolkit_is_a_typed_error(tmp_path):
+    from flashkiln.errors import DriverTooOldError
+
+    registry, driver = fake_registry(tmp_path, all_variants())
+    driver.version = lambda: 12080  # CUDA 12.8 driver, kernels built by NVRTC 13.0
+    entry = registry.find(request(), (9, 0))
+    with pytest.raises(DriverTooOldError, match="NVRTC 13.0.*supports CUDA 12.8"):
+        launch(registry, entry)
+    assert driver.named("load_library") == []

@@ -1,0 +1,105 @@
+"""`wheel`: the runtime plus one spec set's cubins (and the generator, for opt-in JIT) as a wheel.
+
+The wheel's version carries the CUDA flavor as a local label (0.1.0+cu13). Installing it pulls
+only torch and a matching cuda-bindings; the generator's own dependencies are its `generator`
+extra, needed only to JIT-compile variants the wheel does not hold.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import flashkiln
+
+from .build import DEFAULT_CACHE_DIR, Selection, generate
+from .toolchain import REPO_ROOT, TEMPLATES_DIR, toolchain
+
+# cuda-bindings majors that match each flavor's cubins and driver API.
+_BINDINGS = {"cu12": "cuda-bindings>=12.8,<13", "cu13": "cuda-bindings>=13.0,<14"}
+_EXTRA = {"cu12": "generator-cu12", "cu13": "generator"}
+
+
+class WheelError(RuntimeError):
+    """The wheel could not be built, or its cubins exceed the size bound."""
+
+
+@dataclass(frozen=True)
+class WheelReport:
+    path: Path
+    bytes: int
+    cubin_bytes_per_arch: dict[str, int]
+
+
+def _source_extra(flavor: str) -> list[str]:
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    return list(project["optional-dependencies"][_EXTRA[flavor]])
+
+
+def _stage_pyproject(flavor: str) -> str:
+    quoted = lambda items: ", ".join(f'"{i}"' for i in items)  # noqa: E731
+    return f"""[build-system]
+requires = ["setuptools>=69"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "flashkiln"
+version = "{flashkiln.__version__}+{flavor}"
+description = "flashkiln runtime with precompiled attention kernels ({flavor})"
+requires-python = ">=3.11"
+dependencies = ["torch>=2.4", "{_BINDINGS[flavor]}"]
+
+[project.optional-dependencies]
+generator = [{quoted(_source_extra(flavor))}]
+
+[tool.setuptools]
+packages = ["flashkiln", "flashkiln.generator"]
+include-package-data = false
+
+[tool.setuptools.package-data]
+flashkiln = ["kernels/*.cubin", "kernels/manifest.json"]
+"flashkiln.generator" = ["templates/**/*", "specs/**/*"]
+"""
+
+
+def build_wheel(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1,
+                selection: Selection = Selection(), cache_dir: Path = DEFAULT_CACHE_DIR, progress: bool = True,
+                max_mib_per_arch: float = float(os.environ.get("FLASHKILN_MAX_MIB_PER_ARCH", 256))) -> WheelReport:
+    flavor = toolchain().cuda_flavor
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    with tempfile.TemporaryDirectory(prefix="flashkiln-wheel-") as tmp:
+        stage = Path(tmp)
+        package = stage / "flashkiln"
+        shutil.copytree(REPO_ROOT / "runtime", package, ignore=ignore)
+        shutil.copytree(REPO_ROOT / "generator", package / "generator", ignore=ignore)
+        shutil.copytree(TEMPLATES_DIR, package / "generator" / "templates", ignore=ignore)
+        shutil.copytree(specs_dir, package / "generator" / "specs", ignore=ignore)
+        manifest = generate(specs_dir, package / "kernels", workers, selection, cache_dir, progress)
+        shutil.rmtree(package / "kernels" / "src")  # rendered sources: debugging aids, not runtime data
+        per_arch: dict[str, int] = {}
+        for cubin in {(e.arch, e.cubin, e.cubin_bytes) for e in manifest.kernels}:
+            per_arch[cubin[0]] = per_arch.get(cubin[0], 0) + cubin[2]
+        too_big = {a: n for a, n in per_arch.items() if n > max_mib_per_arch * 2**20}
+        if too_big:
+            raise WheelError(f"cubins exceed {max_mib_per_arch} MiB per arch: "
+                             + ", ".join(f"{a} {n / 2**20:.1f} MiB" for a, n in too_big.items()))
+        (stage / "pyproject.toml").write_text(_stage_pyproject(flavor))
+        before = set(out_dir.glob("*.whl"))
+        result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                                 "--wheel-dir", str(out_dir), str(stage)], capture_output=True, text=True)
+        if result.returncode:
+            raise WheelError(f"pip wheel failed:\n{result.stdout}\n{result.stderr}")
+    built = sorted(set(out_dir.glob(f"flashkiln-{flashkiln.__version__}+{flavor}-*.whl")) - before) or \
+        sorted(out_dir.glob(f"flashkiln-{flashkiln.__version__}+{flavor}-*.whl"))
+    wheel = built[-1]
+    report = WheelReport(wheel, wheel.stat().st_size, per_arch)
+    print(f"built {wheel} ({report.bytes / 2**20:.1f} MiB compressed; cubins per arch: "
+          + ", ".join(f"{a} {n / 2**20:.1f} MiB" for a, n in sorted(per_arch.items())) + ")")
+    return report

@@ -1,0 +1,163 @@
+"""Opt-in JIT for variants the installed kernels lack, with a per-user cubin cache.
+
+Enabled by FLASHKILN_JIT=1 (and the generator's extras: pip install 'flashkiln[generator]').
+Entries live in $FLASHKILN_CACHE_DIR, else $XDG_CACHE_HOME/flashkiln (default ~/.cache/flashkiln),
+under <flashkiln version>/<arch>/<descriptor hash>.{cubin,json}. The cache is safe to share
+between processes: one file lock per entry (a second process waits for the first compile),
+writes go to a temporary file then an atomic rename, the JSON (written last) carries the cubin's
+sha256 and is checked on every read, directories are created 0700, and a cache directory that is
+a symlink, owned by another user, or writable by group or others is refused with a warning (the
+process then compiles into a private temporary directory instead).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import stat
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import FlashkilnError
+from .manifest import KernelEntry
+from .params import params_layout
+
+JIT_ENV = "FLASHKILN_JIT"
+CACHE_ENV = "FLASHKILN_CACHE_DIR"
+
+
+class JitUnavailableError(FlashkilnError):
+    """JIT is enabled but the generator's dependencies are not installed."""
+
+
+def enabled() -> bool:
+    return os.environ.get(JIT_ENV, "") not in ("", "0")
+
+
+def cache_base() -> Path:
+    if env := os.environ.get(CACHE_ENV):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashkiln"
+
+
+def unsafe_reason(path: Path) -> str | None:
+    """Why `path` must not hold cubins this process will load, or None when it is safe."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"it is owned by uid {info.st_uid}, not by this user ({os.geteuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class JitCache:
+    """Entries of one flashkiln version, per arch."""
+
+    def __init__(self, base: Path | None = None):
+        self.base = Path(base) if base is not None else cache_base()
+        self.root = self.base / __version__
+        self._fallback: tempfile.TemporaryDirectory | None = None
+
+    def _directory(self, arch: str) -> Path:
+        """The arch's entry directory, created 0700 and checked at every level, or a private fallback."""
+        directory = self.root / arch
+        for level in (self.base, self.root, directory):
+            reason = unsafe_reason(level)
+            if reason is None:
+                try:
+                    level.mkdir(mode=0o700, exist_ok=True)
+                except OSError as exc:
+                    reason = f"it cannot be created ({exc})"
+                else:
+                    reason = unsafe_reason(level)
+            if reason:
+                warnings.warn(f"flashkiln: refusing the JIT cache directory {level}: {reason}; compiling into a "
+                              "private temporary directory for this process instead", stacklevel=3)
+                if self._fallback is None:
+                    self._fallback = tempfile.TemporaryDirectory(prefix="flashkiln-jit-")
+                return Path(self._fallback.name)
+        return directory
+
+    @staticmethod
+    def _paths(directory: Path, key: str) -> tuple[Path, Path]:
+        return directory / f"{key}.cubin", directory / f"{key}.json"
+
+    @staticmethod
+    def read(directory: Path, key: str) -> KernelEntry | None:
+        """The entry for descriptor hash `key`, if complete and intact (else None: recompile)."""
+        cubin_path, meta_path = JitCache._paths(directory, key)
+        try:
+            entry = KernelEntry(**json.loads(meta_path.read_text()))
+            image = cubin_path.read_bytes()
+        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+            return None
+        if entry.hash != key or entry.variant.hash != key or hashlib.sha256(image).hexdigest() != entry.sha256:
+            return None
+        return dataclasses.replace(entry, cubin=str(cubin_path))  # wherever the cache directory lives now
+
+    def entries(self) -> list[KernelEntry]:
+        found = []
+        for meta in sorted(self.root.glob("*/*.json")) if self.root.is_dir() else []:
+            entry = self.read(meta.parent, meta.stem)
+            if entry is not None:
+                found.append(entry)
+        return found
+
+    def clear(self) -> int:
+        removed = 0
+        for path in sorted(self.root.glob("*/*")) if self.root.is_dir() else []:
+            path.unlink()
+            removed += 1
+        return removed
+
+    def get_or_compile(self, request: dict[str, Any], arch: str) -> KernelEntry:
+        """The cached entry for `request` on `arch`, compiling it (once, across processes) if needed."""
+        try:
+            from filelock import FileLock
+
+            from .generator import GENERATOR_VERSION
+            from .generator.jit import compile_variant, tuned_descriptor
+        except ImportError as exc:
+            raise JitUnavailableError(f"{JIT_ENV} is set but the generator's dependencies are missing ({exc}): "
+                                      "pip install 'flashkiln[generator]'") from None
+        descriptor = tuned_descriptor(request, arch)
+        directory = self._directory(arch)
+        key = descriptor.hash
+        cubin_path, meta_path = self._paths(directory, key)
+        with FileLock(str(directory / f"{key}.lock")):
+            entry = self.read(directory, key)
+            if entry is not None:
+                return entry
+            cubin, fields = compile_variant(descriptor)
+            entry = KernelEntry(
+                hash=key, name=descriptor.name, symbol=descriptor.symbol, arch=arch, descriptor=descriptor.as_dict(),
+                cubin=str(cubin_path), sha256=hashlib.sha256(cubin).hexdigest(), cubin_bytes=len(cubin),
+                params_layout=params_layout(descriptor.kernel).digest, spec="jit",
+                generator_version=GENERATOR_VERSION, **fields,
+            )
+            # The JSON goes last: an entry exists once its JSON names the cubin's hash.
+            _atomic_write(cubin_path, cubin)
+            _atomic_write(meta_path, json.dumps(dataclasses.asdict(entry)).encode())
+            return entry
