@@ -18,7 +18,9 @@ from flashkiln.manifest import MANIFEST_NAME, KernelEntry, Manifest
 from flashkiln.params import params_layout
 
 from . import GENERATOR_VERSION
-from .cache import CompileCache, atomic_write, cache_key
+from flashkiln.files import atomic_write
+
+from .cache import CompileCache, cache_key
 from .families import FAMILIES
 from .nvrtc import CompileError, CompileResult, compile_cubin
 from .render import render_unit, unit_key
@@ -213,12 +215,12 @@ def generate(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1,
     entries = []
     for unit in units:
         result = results[unit.key]
-        atomic_write(out_dir / f"{unit.name}.cubin", result.cubin)
-        atomic_write(out_dir / "src" / f"{unit.name}.cu", unit.source.encode())
+        atomic_write(out_dir / f"{unit.name}.cubin", result.cubin, 0o644)
+        atomic_write(out_dir / "src" / f"{unit.name}.cu", unit.source.encode(), 0o644)
         entries += _entries(unit, result, f"{unit.name}.cubin")
     build = {**build_identity(specs_dir), "selection": selection.describe()}
     manifest = Manifest(out_dir, build, tuple(sorted(entries, key=lambda e: e.name)))
-    atomic_write(out_dir / MANIFEST_NAME, manifest.to_json().encode())
+    atomic_write(out_dir / MANIFEST_NAME, manifest.to_json().encode(), 0o644)
     _remove_stale(out_dir, {f"{u.name}.cubin" for u in units} | {f"{u.name}.cu" for u in units})
     if report:
         _report(units, results, compiled)
@@ -256,6 +258,6 @@ def merge(out_dir: Path, shard_dirs: list[Path]) -> Manifest:
                     shutil.copyfile(source, out_dir / "src" / source.name)
     build = {**manifests[0].build, "selection": {"merged_shards": [str(m.build.get("selection")) for m in manifests]}}
     merged = Manifest(out_dir, build, tuple(sorted(entries.values(), key=lambda e: e.name)))
-    atomic_write(out_dir / MANIFEST_NAME, merged.to_json().encode())
+    atomic_write(out_dir / MANIFEST_NAME, merged.to_json().encode(), 0o644)
     print(f"merged {len(manifests)} shard(s) into {out_dir}: {len(entries)} variant(s)")
     return merged

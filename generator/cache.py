@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from filelock import FileLock
+
+from flashkiln.files import atomic_write
 
 from .nvrtc import CompileResult
 
@@ -23,19 +23,6 @@ def cache_key(source: str, toolchain_identity: str, arch: str) -> str:
     for part in (source, toolchain_identity, arch):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see a torn file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class CompileCache:

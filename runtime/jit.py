@@ -23,6 +23,7 @@ from typing import Any
 
 from . import __version__
 from .errors import FlashkilnError
+from .files import atomic_write
 from .manifest import KernelEntry
 from .params import params_layout
 
@@ -59,17 +60,6 @@ def unsafe_reason(path: Path) -> str | None:
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"it is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
     return None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class JitCache:
@@ -158,6 +148,6 @@ class JitCache:
                 generator_version=GENERATOR_VERSION, **fields,
             )
             # The JSON goes last: an entry exists once its JSON names the cubin's hash.
-            _atomic_write(cubin_path, cubin)
-            _atomic_write(meta_path, json.dumps(dataclasses.asdict(entry)).encode())
+            atomic_write(cubin_path, cubin)
+            atomic_write(meta_path, json.dumps(dataclasses.asdict(entry)).encode())
             return entry

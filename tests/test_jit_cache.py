@@ -29,6 +29,12 @@ def _child(script: str, tiny_specs: Path, **popen) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
+def fake_compile(cubin: bytes):
+    """A stand-in for the NVRTC compile: (cubin, manifest fields) for any descriptor."""
+    return lambda descriptor: (cubin, {"threads": 32, "smem_bytes": 3072, "registers": 40, "spill_bytes": 0,
+                                       "compile_seconds": 0.1, "nvrtc_version": "13.0", "cutlass_version": "4.2.0.0"})
+
+
 @pytest.fixture
 def jit_specs(tiny_specs, monkeypatch) -> Path:
     monkeypatch.setenv("FLASHKILN_JIT_SPECS", str(tiny_specs))
@@ -86,9 +92,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_loadable(tmp_path, tiny_specs,
 def test_a_corrupt_cubin_is_not_loadable(tmp_path, jit_specs, monkeypatch):
     import flashkiln.generator.jit as generator_jit
 
-    monkeypatch.setattr(generator_jit, "compile_variant", lambda d: (b"cubin bytes", {
-        "threads": 32, "smem_bytes": 3072, "registers": 40, "spill_bytes": 0, "compile_seconds": 0.1,
-        "nvrtc_version": "13.0", "cutlass_version": "4.2.0.0"}))
+    monkeypatch.setattr(generator_jit, "compile_variant", fake_compile(b"cubin bytes"))
     cache = JitCache(tmp_path)
     entry = cache.get_or_compile(TINY_REQUEST, "sm_80")
     Path(entry.cubin).write_bytes(b"cubin bytez")
@@ -156,9 +160,7 @@ def test_jit_without_tuning_is_a_variant_not_found_error(tmp_path, jit_specs):
 def test_cache_cli_lists_and_clears(tmp_path, jit_specs, monkeypatch):
     import flashkiln.generator.jit as generator_jit
 
-    monkeypatch.setattr(generator_jit, "compile_variant", lambda d: (b"cubin", {
-        "threads": 32, "smem_bytes": 3072, "registers": 40, "spill_bytes": 0, "compile_seconds": 0.1,
-        "nvrtc_version": "13.0", "cutlass_version": "4.2.0.0"}))
+    monkeypatch.setattr(generator_jit, "compile_variant", fake_compile(b"cubin"))
     monkeypatch.setenv("FLASHKILN_CACHE_DIR", str(tmp_path))
     entry = JitCache().get_or_compile(TINY_REQUEST, "sm_80")
     env = {**os.environ, "FLASHKILN_CACHE_DIR": str(tmp_path)}
