@@ -3,7 +3,7 @@
 Standard sweep (shared/CONVENTIONS.md): bf16, H = 2048 / d, B = 16384 / S, S in 512..16k,
 d in {64, 128, 256}, causal off and on; forward and backward. Each timing is the median of
 CUDA-event timings of single calls; before each timed call the GPU is kept busy with a sleep
-kernel, so host-side launch overhead overlaps it and only device time is measured. FLOPs: forward
+kernel (~2.5 ms), so host-side launch overhead overlaps it and only device time is measured. FLOPs: forward
 4 * B * H * d * (visible (i, j) pairs), exact under the causal mask; backward 2.5x that, its time
 the median of (forward + backward through autograd) minus the median forward.
 
@@ -15,16 +15,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkiln
+from flashkiln.dq_routes import ROUTE_ENV, ROUTES
 from flashkiln.errors import FlashkilnError
 from flashkiln.registry import KernelRegistry
 
@@ -51,7 +54,7 @@ def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # ~0.5 ms of queued work: host overhead of fn() hides behind it
+        torch.cuda._sleep(5_000_000)  # ~2.5 ms of queued work: host overhead of fn() hides behind it
         start.record()
         fn()
         end.record()
@@ -73,37 +76,44 @@ def torch_sdpa(backend: SDPBackend, causal: bool) -> Attention:
     return attend
 
 
-def with_backward(attend: Attention, dout: torch.Tensor, deterministic: bool) -> Callable[[object], object]:
-    """(q, k, v) -> forward and backward through autograd (deterministic mode on for the backward)."""
+def with_backward(attend: Attention, dout: torch.Tensor, deterministic: bool,
+                  route: str | None = None) -> Callable[[object], object]:
+    """(q, k, v) -> forward and backward through autograd (deterministic mode on for the backward;
+    flashkiln's dq route forced to `route` when given)."""
+    env = {} if route is None else {ROUTE_ENV: route}
+
     def step(qkv):
         for t in qkv:
             t.grad = None  # no accumulation kernels in the timing
         out = attend(*qkv)
         torch.use_deterministic_algorithms(deterministic)
         try:
-            out.backward(dout)
+            with mock.patch.dict(os.environ, env):
+                out.backward(dout)
         finally:
             torch.use_deterministic_algorithms(False)
     return step
 
 
 def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, KernelRegistry | None]) -> dict:
-    """name -> (pass, attention function, deterministic backward?)"""
+    """(name, pass) -> (attention function, deterministic backward?, flashkiln dq route forced or None)"""
     mode = "top_left" if causal else None
     cases = {}
     for name, backend in TORCH_BACKENDS.items():
         for p in passes:
-            cases[(name, p)] = (torch_sdpa(backend, causal), False)
+            cases[(name, p)] = (torch_sdpa(backend, causal), False, None)
     if "bwd" in passes:
-        cases[("flash-det", "bwd")] = (torch_sdpa(SDPBackend.FLASH_ATTENTION, causal), True)
-        cases[("flashkiln", "bwd")] = (lambda q, k, v: flashkiln.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, deterministic=False), False)
-        cases[("flashkiln-det", "bwd")] = (lambda q, k, v: flashkiln.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, deterministic=True), True)
+        cases[("flash-det", "bwd")] = (torch_sdpa(SDPBackend.FLASH_ATTENTION, causal), True, None)
+        kiln = lambda q, k, v: flashkiln.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+        cases[("flashkiln", "bwd")] = (kiln, False, None)
+        cases[("flashkiln-det", "bwd")] = (kiln, True, None)
+        # Each dq route forced (the two above take the preferred one within the workspace budget).
+        for route in ROUTES:
+            cases[(f"flashkiln[{route}]", "bwd")] = (kiln, route != "atomic", route)
     if "fwd" in passes:
         for name, registry in registries.items():
             cases[(name, "fwd")] = ((lambda q, k, v, registry=registry: flashkiln.attention_forward(
-                q, k, v, causal=mode, registry=registry)[0]), False)
+                q, k, v, causal=mode, registry=registry)[0]), False, None)
     return cases
 
 
@@ -123,13 +133,14 @@ def run(args: argparse.Namespace) -> dict:
                                  for _ in range(4))
                 fwd_flops = 4 * b * h * d * visible_pairs(s, s, causal)
                 grad_qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-                for (name, p), (attend, deterministic) in cases_for(d, causal, args.passes, registries).items():
+                for (name, p), (attend, deterministic, route) in cases_for(d, causal, args.passes,
+                                                                                     registries).items():
                     try:
                         if p == "fwd":
                             with torch.no_grad():
                                 ms = time_ms(lambda: attend(q, k, v), args.warmup, args.reps)
                         else:
-                            step = with_backward(attend, dout, deterministic)
+                            step = with_backward(attend, dout, deterministic, route)
                             ms = time_ms(lambda: step(grad_qkv), args.warmup, args.reps) \
                                 - time_ms(lambda: attend(*grad_qkv), args.warmup, args.reps)
                     except (RuntimeError, FlashkilnError) as exc:

@@ -29,6 +29,10 @@ class Family(Protocol):
 
     def template_context(self, d: VariantDescriptor) -> dict[str, Any]: ...
 
+    # Kernels whose tile_m and tile_n must equal another kernel's for the same arch and head
+    # dims (the tuning table is checked against this): kernel -> the kernel it follows.
+    shared_tiles: dict[str, str]
+
 
 def _row_warps(rows: int, cols: tuple[int, ...], warps: int) -> int:
     """Mirror of row_warps() in portable/bwd_traits.hpp: warps splitting an accumulator's rows."""
@@ -46,9 +50,11 @@ def _gmem_rows_per_pass(threads: int, dim: int) -> int:
 class PortableFamily:
     """mma.sync kernels (templates/include/flashkiln/portable), for sm_80 and later."""
 
-    _TEMPLATES = {"fwd": "portable_fwd.cu.j2", "bwd": "portable_bwd.cu.j2",
+    _TEMPLATES = {"fwd": "portable_fwd.cu.j2", "bwd": "portable_bwd.cu.j2", "bwd_dq": "portable_bwd_dq.cu.j2",
                   "bwd_pre": "portable_bwd_rows.cu.j2", "bwd_post": "portable_bwd_rows.cu.j2"}
     ROW_KERNELS = ("bwd_pre", "bwd_post")
+    # bwd_dq reads the dS tiles that bwd writes, tile by tile.
+    shared_tiles = {"bwd_dq": "bwd"}
 
     def template_name(self, d: VariantDescriptor) -> str:
         return self._TEMPLATES[d.kernel]
@@ -65,12 +71,15 @@ class PortableFamily:
             # `stages` x (Q, dO), K and V, then P and dS.
             return elem * (d.stages * d.tile_m * (d.d_qk + d.d_v) + d.tile_n * (d.d_qk + d.d_v)
                            + 2 * d.tile_m * d.tile_n)
+        if d.kernel == "bwd_dq":
+            # `stages` x (dS tile, K tile).
+            return elem * d.stages * (d.tile_m * d.tile_n + d.tile_n * d.d_qk)
         return 0
 
     def functional_errors(self, d: VariantDescriptor) -> list[str]:
         """Combinations of functional fields the kernel does not implement."""
         errors = []
-        if d.kernel in ("fwd", *self.ROW_KERNELS) and d.deterministic:
+        if d.kernel != "bwd" and d.deterministic:
             errors.append(f"deterministic=true: {d.kernel} is deterministic by construction; only bwd has the axis")
         if d.kernel in self.ROW_KERNELS and d.causal != "none":
             errors.append(f"causal={d.causal}: {d.kernel} does not mask; list it with causal: [none]")
@@ -94,7 +103,7 @@ class PortableFamily:
 
     def _tile_tuning_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
-        warps = (4, 8) if d.kernel == "bwd" else (1, 2, 4, 8)
+        warps = (1, 2, 4, 8) if d.kernel == "fwd" else (4, 8)
         if d.warps not in warps:
             errors.append(f"warps={d.warps}: must be one of {', '.join(map(str, warps))}")
         if d.stages not in (1, 2):
@@ -106,6 +115,11 @@ class PortableFamily:
                 errors.append(f"tile_n={d.tile_n}: must be a multiple of 16")
         else:
             errors += self._bwd_warp_grid_errors(d)
+            # dS tiles move through global memory (workspace route) as tile_n-wide 16-byte copies.
+            rows_per_pass = _gmem_rows_per_pass(self.threads(d), d.tile_n)
+            if d.tile_n % 32 == 0 and d.tile_m % rows_per_pass:
+                errors.append(f"tile_m={d.tile_m}: must be a multiple of {rows_per_pass} (rows one pass of "
+                              f"{self.threads(d)} threads copies of a {d.tile_n}-wide dS tile)")
         for dim in {d.d_qk, d.d_v}:
             rows_per_pass = _gmem_rows_per_pass(self.threads(d), dim)
             for tile_name, rows in (("tile_m", d.tile_m), ("tile_n", d.tile_n)):
@@ -122,8 +136,9 @@ class PortableFamily:
         if d.tile_m % 16 or d.tile_n % 32:
             return [f"tile {d.tile_m}x{d.tile_n}: bwd needs tile_m a multiple of 16 and tile_n of 32"]
         errors = []
-        gemms = (("S = Q K^T", d.tile_m, (d.tile_n,)), ("dK, dV", d.tile_n, (d.d_qk, d.d_v)),
-                 ("dQ", d.tile_m, (d.d_qk,)))
+        gemms = (("dQ", d.tile_m, (d.d_qk,)),)
+        if d.kernel == "bwd":
+            gemms = (("S = Q K^T", d.tile_m, (d.tile_n,)), ("dK, dV", d.tile_n, (d.d_qk, d.d_v))) + gemms
         for what, rows, cols in gemms:
             wm = _row_warps(rows, cols, d.warps)
             if rows % (16 * wm) or any(c % (16 * (d.warps // wm)) for c in cols):

@@ -222,6 +222,21 @@ def _descriptor(fields: dict[str, Any], row: LocatedDict, context: str, group_wh
     return None if functional else desc
 
 
+def _check_shared_tiles(tuning: LocatedDict, fields: dict[str, Any], row: LocatedDict, context: str,
+                        out: _Collector) -> None:
+    """A kernel that follows another's tiles (family.shared_tiles) must repeat its tile_m, tile_n."""
+    leader = FAMILIES[fields["family"]].shared_tiles.get(fields["kernel"])
+    if leader is None:
+        return
+    dims = (fields["d_qk"], fields["d_v"])
+    leader_row = tuning_row(tuning, leader, fields["arch"], dims) or {}
+    for key in ("tile_m", "tile_n"):
+        if key in row and row[key] != leader_row.get(key):
+            out.add(row.where, f"{context}{key}",
+                    f"{row[key]} must equal {leader}.{fields['arch']}.{head_dims_key(*dims)}.{key} = "
+                    f"{leader_row.get(key, '(missing)')}: {fields['kernel']} works on the tiles {leader} makes")
+
+
 def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) -> list[Variant]:
     try:
         spec = located_yaml.load(path, display)
@@ -286,6 +301,7 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
                         f"{{{', '.join(f'{k}: ...' for k in D.PERFORMANCE_FIELDS)}}})")
                 continue
             row_context = f"{fields['kernel']}.{fields['arch']}.{head_dims_key(d_qk, d_v)}."
+            _check_shared_tiles(tuning, fields, row, row_context, out)
             desc = _descriptor(fields, row, row_context, where, f"variants[{gi}]", out)
             if desc is not None:
                 variants.append(Variant(desc, display, where))

@@ -7,25 +7,25 @@ from dataclasses import dataclass
 
 import torch
 
-from . import inputs
+from . import dq_routes, inputs
+from .errors import UnsupportedError, VariantNotFoundError
 from .launch import KernelLaunch, Target, ceil_div, request, run
+from .manifest import KernelEntry
 from .params import BwdParams
 from .registry import KernelRegistry, default_registry
 
 log = logging.getLogger("flashkiln")
 
-
 @dataclass(frozen=True)
 class BackwardPlan:
-    launches: list[KernelLaunch]  # preprocess, main, postprocess
-    # How dQ is accumulated: "atomic" (unordered fp32 atomics) or "ordered" (key tiles add in
-    # order, behind a per-query-tile semaphore: bitwise reproducible).
-    route: str
+    launches: list[KernelLaunch]  # preprocess, main, then postprocess or (workspace route) the dQ kernel
+    route: str  # how dQ is accumulated: one of dq_routes.ROUTES
+
     # fp32 per-query-head dK/dV that the host sums over each GQA group (None without GQA).
     dk_accum: torch.Tensor | None
     dv_accum: torch.Tensor | None
-    # Scratch the kernels use (delta, dQ accumulator, semaphores): alive as long as the plan; the
-    # stream orders the memory's reuse after the kernels.
+    # Scratch the kernels use (delta, dQ accumulator, semaphores, dS workspace): alive as long as
+    # the plan; the stream orders the memory's reuse after the kernels.
     workspaces: tuple[torch.Tensor | None, ...]
 
 
@@ -45,30 +45,44 @@ def _check_backward_tensors(dout: torch.Tensor, q: torch.Tensor, out: torch.Tens
 
 def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: str, scale: float,
-                  deterministic: bool, capability: tuple[int, int], registry: KernelRegistry) -> BackwardPlan:
-    """Choose the kernels, allocate their workspaces and pack the parameters (inputs already checked)."""
+                  deterministic: bool, capability: tuple[int, int], device_memory: int,
+                  registry: KernelRegistry) -> BackwardPlan:
+    """Choose the route and kernels, allocate their workspaces and pack the parameters (inputs already
+    checked). `device_memory` (bytes) sets the default workspace budget."""
     b, hq, sq, dqk = q.shape
     _, hkv, sk, dv_dim = v.shape
     dtype = inputs.DTYPES[q.dtype]
-    main = registry.find(request("bwd", dtype, dqk, dv_dim, causal, deterministic), capability)
+    workspace_kernels = _workspace_kernels(q, sk, dv_dim, causal, deterministic, capability, device_memory,
+                                           registry)
+    if workspace_kernels is not None:
+        route, (main, dq_kernel) = "workspace", workspace_kernels
+    else:
+        route, dq_kernel = dq_routes.fallback_route(deterministic), None
+        main = registry.find(request("bwd", dtype, dqk, dv_dim, causal, deterministic), capability)
     pre = registry.find(request("bwd_pre", dtype, dqk, dv_dim), capability)
-    post = registry.find(request("bwd_post", dtype, dqk, dv_dim), capability)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
     sq_rounded = ceil_div(sq, tile_m) * tile_m
     f32 = dict(dtype=torch.float32, device=q.device)
-    delta = torch.empty((b, hq, sq), **f32)
-    dq_accum = torch.empty((b, hq, sq_rounded, dqk), **f32)  # zeroed by the preprocess
-    semaphore = torch.zeros((b, hq, sq_rounded // tile_m), dtype=torch.int32, device=q.device) \
-        if deterministic else None
     grouped = hq != hkv
-    dk_accum = torch.empty((b, hq, sk, dqk), **f32) if grouped else None
-    dv_accum = torch.empty((b, hq, sk, dv_dim), **f32) if grouped else None
+    with inputs.kernel_written_allocations():
+        delta = torch.empty((b, hq, sq), **f32)
+        # fp32 per-query-head dK and dV for GQA, summed over each group afterwards.
+        dk_accum = torch.empty((b, hq, sk, dqk), **f32) if grouped else None
+        dv_accum = torch.empty((b, hq, sk, dv_dim), **f32) if grouped else None
+        if route == "workspace":
+            dq_accum = semaphore = None
+            workspace = torch.empty(_workspace_elements(q, sk, tile_m, tile_n), dtype=q.dtype, device=q.device)
+        else:
+            dq_accum = torch.empty((b, hq, sq_rounded, dqk), **f32)  # zeroed by the preprocess
+            semaphore = torch.zeros((b, hq, sq_rounded // tile_m), dtype=torch.int32, device=q.device) \
+                if route == "ordered" else None
+            workspace = None
     address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     params = BwdParams(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), dout=dout.data_ptr(),
-        lse=lse.data_ptr(), delta=delta.data_ptr(), dq_accum=dq_accum.data_ptr(), dq=dq.data_ptr(),
+        lse=lse.data_ptr(), delta=delta.data_ptr(), dq_accum=address(dq_accum), dq=dq.data_ptr(),
         dk=dk.data_ptr(), dv=dv.data_ptr(), dk_accum=address(dk_accum), dv_accum=address(dv_accum),
-        dq_semaphore=address(semaphore),
+        dq_semaphore=address(semaphore), ds_workspace=address(workspace),
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
         **inputs.stride_fields("o", out), **inputs.stride_fields("do", dout), **inputs.stride_fields("dq", dq),
         **inputs.stride_fields("dk", dk), **inputs.stride_fields("dv", dv),
@@ -78,10 +92,55 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     launches = [
         KernelLaunch(pre, (ceil_div(sq_rounded, pre.descriptor["tile_m"]), hq, b), params),
         KernelLaunch(main, (ceil_div(sk, tile_n), hq, b), params),
-        KernelLaunch(post, (ceil_div(sq, post.descriptor["tile_m"]), hq, b), params),
     ]
-    return BackwardPlan(launches, "ordered" if deterministic else "atomic", dk_accum, dv_accum,
-                        (delta, dq_accum, semaphore))
+    if dq_kernel is not None:
+        launches.append(KernelLaunch(dq_kernel, (ceil_div(sq, tile_m), hq, b), params))
+    else:
+        post = registry.find(request("bwd_post", dtype, dqk, dv_dim), capability)
+        launches.append(KernelLaunch(post, (ceil_div(sq, post.descriptor["tile_m"]), hq, b), params))
+    return BackwardPlan(launches, route, dk_accum, dv_accum, (delta, dq_accum, semaphore, workspace))
+
+
+def _workspace_elements(q: torch.Tensor, sk: int, tile_m: int, tile_n: int) -> int:
+    """dS workspace size: one (tile_m, tile_n) tile per (batch, query head, query tile, key tile)."""
+    b, hq, sq, _ = q.shape
+    return b * hq * ceil_div(sq, tile_m) * ceil_div(sk, tile_n) * tile_m * tile_n
+
+
+def _workspace_kernels(q: torch.Tensor, sk: int, d_v: int, causal: str, deterministic: bool, capability: tuple[int, int],
+                       device_memory: int, registry: KernelRegistry) -> tuple[KernelEntry, KernelEntry] | None:
+    """(main kernel, dQ kernel) of the workspace route when the call takes it, else None.
+
+    Forced by $FLASHKILN_BACKWARD_ROUTE, it is taken or fails; otherwise it is taken where it is the
+    faster route (dq_routes.preferred_route), within the workspace budget, and when the spec
+    generated both kernels with the same tiles."""
+    forced = dq_routes.forced_route(deterministic)
+    if (forced or dq_routes.preferred_route(q.shape[3], deterministic)) != "workspace":
+        return None
+    dtype, dqk = inputs.DTYPES[q.dtype], q.shape[3]
+    try:
+        # The deterministic main kernel is the one that can store dS (even for a call that is not).
+        main = registry.find(request("bwd", dtype, dqk, d_v, causal, True), capability)
+        dq_kernel = registry.find(request("bwd_dq", dtype, dqk, d_v, causal), capability)
+    except VariantNotFoundError:
+        if forced:
+            raise
+        log.debug("flashkiln backward: no deterministic bwd and bwd_dq kernels for the workspace route")
+        return None
+    tiles = (main.descriptor["tile_m"], main.descriptor["tile_n"])
+    if (dq_kernel.descriptor["tile_m"], dq_kernel.descriptor["tile_n"]) != tiles:
+        message = f"{dq_kernel.name} does not share the tiles {tiles} of {main.name}"
+        if forced:
+            raise UnsupportedError(f"the workspace route cannot run: {message}")
+        log.debug("flashkiln backward: %s", message)
+        return None
+    size = _workspace_elements(q, sk, *tiles) * q.element_size()
+    budget = dq_routes.workspace_budget_bytes(device_memory)
+    if not forced and size > budget:
+        log.debug("flashkiln backward: dS workspace of %d MiB exceeds the budget of %d MiB (%s)",
+                  size >> 20, budget >> 20, dq_routes.WORKSPACE_BUDGET_ENV)
+        return None
+    return main, dq_kernel
 
 
 def _check_gradient_buffer(name: str, buffer: torch.Tensor, like: torch.Tensor) -> None:
@@ -102,7 +161,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     q, k, v, causal and scale as given to the forward; out and lse are what it returned.
     deterministic: bitwise-reproducible dq (dk, dv are always); default
-    torch.are_deterministic_algorithms_enabled(). Gradients come back with their inputs' strides
+    torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes):
+    where it is faster, dS is kept in a workspace of B * H_q * S_q * S_k elements (rounded up to
+    whole tiles) and dq computed from it by a second kernel, if that fits
+    $FLASHKILN_BACKWARD_WORKSPACE_MIB (default: 1/16 of the GPU's memory). Gradients come back with their inputs' strides
     (contiguous where those strides are not 16-byte aligned), or in the buffers dq, dk, dv when
     given. A query row that saw no key gets a zero dq row.
     """
@@ -116,7 +178,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     grads = []
     for name, buffer, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if buffer is None:
-            buffer = inputs.empty_gradient_like(like)
+            with inputs.kernel_written_allocations():
+                buffer = inputs.empty_gradient_like(like)
         _check_gradient_buffer(name, buffer, like)
         grads.append(buffer)
     dq, dk, dv = grads
@@ -129,7 +192,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     registry = registry or default_registry()
     target = Target.of(q)
     plan = plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal_mode, scale, deterministic,
-                         target.capability, registry)
+                         target.capability, target.memory, registry)
     log.debug("flashkiln backward: %s, dq route %s", plan.launches[1].entry.name, plan.route)
     run(registry, target, plan.launches)
     if plan.dk_accum is not None:

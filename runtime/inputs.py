@@ -4,7 +4,9 @@ Every problem a caller can cause is an InvalidInputError raised here, before any
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 
@@ -99,6 +101,22 @@ def empty_in_memory_order(q: torch.Tensor, d_v: int) -> torch.Tensor:
     if q.stride(1) < q.stride(2):
         return torch.empty((b, sq, hq, d_v), dtype=q.dtype, device=q.device).transpose(1, 2)
     return torch.empty((b, hq, sq, d_v), dtype=q.dtype, device=q.device)
+
+
+@contextlib.contextmanager
+def kernel_written_allocations() -> Iterator[None]:
+    """Allocations inside are buffers the kernels write in full before anything reads them.
+
+    Under torch.use_deterministic_algorithms(True), torch.empty fills new memory with NaN so that
+    reads of uninitialized memory reproduce; for these buffers that fill is only a memset (the
+    backward's dS workspace alone can be gigabytes), so it is switched off while they are made.
+    """
+    flag = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = flag
 
 
 def empty_gradient_like(t: torch.Tensor) -> torch.Tensor:

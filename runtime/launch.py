@@ -26,11 +26,13 @@ class Target:
 
     device: int
     capability: tuple[int, int]
+    memory: int  # bytes of device memory
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "Target":
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        return cls(index, torch.cuda.get_device_capability(index))
+        props = torch.cuda.get_device_properties(index)  # cached by torch
+        return cls(index, (props.major, props.minor), props.total_memory)
 
 
 def request(kernel: str, dtype: str, d_qk: int, d_v: int, causal: str = "none",

@@ -53,7 +53,7 @@ class BwdParams(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_uint64) for name in (
             "q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dq", "dk", "dv", "dk_accum", "dv_accum",
-            "dq_semaphore")),
+            "dq_semaphore", "ds_workspace")),
         *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
         ("batch", ctypes.c_int32),
         ("heads_q", ctypes.c_int32),
@@ -72,6 +72,7 @@ PARAMS_BY_KERNEL: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "bwd_pre": ("flashkiln::BwdParams", BwdParams),
     "bwd": ("flashkiln::BwdParams", BwdParams),
     "bwd_post": ("flashkiln::BwdParams", BwdParams),
+    "bwd_dq": ("flashkiln::BwdParams", BwdParams),
 }
 
 

@@ -9,25 +9,36 @@ import torch
 
 import flashkiln
 from flashkiln.backward import _check_gradient_buffer, plan_backward
+from flashkiln.dq_routes import ROUTE_ENV, WORKSPACE_BUDGET_ENV
 from flashkiln.descriptor import VariantDescriptor
 from flashkiln.registry import KernelRegistry
 from test_registry import FakeDriver, kernel_entry, write_manifest
 
-TILES = {"bwd": (64, 128, 8, 2), "bwd_pre": (16, 1, 4, 1), "bwd_post": (16, 1, 4, 1)}
+TILES = {"bwd": (64, 128, 8, 2), "bwd_pre": (16, 1, 4, 1), "bwd_post": (16, 1, 4, 1), "bwd_dq": (64, 128, 4, 2)}
 
 
-def bwd_descriptor(kernel: str, causal="none", deterministic=False, d=128) -> VariantDescriptor:
-    tile_m, tile_n, warps, stages = TILES[kernel]
+def bwd_descriptor(kernel: str, causal="none", deterministic=False, d=128, tiles=None) -> VariantDescriptor:
+    tile_m, tile_n, warps, stages = tiles or TILES[kernel]
     return VariantDescriptor(kernel=kernel, family="portable", arch="sm_90a", dtype="bf16", d_qk=d, d_v=d,
                              causal=causal, bias="none", deterministic=deterministic, tile_m=tile_m, tile_n=tile_n,
                              warps=warps, stages=stages)
 
 
+CAUSAL = ("none", "top_left", "bottom_right")
+
+
+H200_MEMORY = 141 << 30
+
+
+def make_registry(directory, dq_kernels=(), dims=(64, 128, 256)):
+    ds = [bwd_descriptor("bwd", c, det, d) for c in CAUSAL for det in (False, True) for d in dims]
+    ds += [bwd_descriptor(k, d=d) for k in ("bwd_pre", "bwd_post") for d in dims] + list(dq_kernels)
+    return KernelRegistry(write_manifest(directory, [kernel_entry(d) for d in ds]), driver=FakeDriver())
+
+
 @pytest.fixture
 def registry(tmp_path):
-    ds = [bwd_descriptor("bwd", c, det) for c in ("none", "top_left", "bottom_right") for det in (False, True)]
-    ds += [bwd_descriptor("bwd_pre"), bwd_descriptor("bwd_post")]
-    return KernelRegistry(write_manifest(tmp_path, [kernel_entry(d) for d in ds]), driver=FakeDriver())
+    return make_registry(tmp_path, [bwd_descriptor("bwd_dq", c, d=d) for c in CAUSAL for d in (64, 128, 256)])
 
 
 def tensors(b=2, hq=4, hkv=4, sq=100, sk=300, d=128):
@@ -38,14 +49,21 @@ def tensors(b=2, hq=4, hkv=4, sq=100, sk=300, d=128):
     return dout, q, k, v, out, lse
 
 
-def plan(registry, deterministic=False, causal="none", **shape):
+@pytest.fixture(autouse=True)
+def _no_route_settings(monkeypatch):
+    monkeypatch.delenv(ROUTE_ENV, raising=False)
+    monkeypatch.delenv(WORKSPACE_BUDGET_ENV, raising=False)
+
+
+def plan(registry, deterministic=False, causal="none", memory=H200_MEMORY, **shape):
     dout, q, k, v, out, lse = tensors(**shape)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    return plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), registry), \
-        (dout, q, k, v, out, lse, dq, dk, dv)
+    return plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), memory,
+                         registry), (dout, q, k, v, out, lse, dq, dk, dv)
 
 
-def test_plan_launches_pre_main_post_with_their_grids(registry):
+def test_plan_launches_pre_main_post_with_their_grids(registry, monkeypatch):
+    monkeypatch.setenv(ROUTE_ENV, "atomic")
     p, _ = plan(registry, b=2, hq=4, sq=100, sk=300)
     pre, main, post = p.launches
     assert [l.entry.descriptor["kernel"] for l in p.launches] == ["bwd_pre", "bwd", "bwd_post"]
@@ -57,27 +75,87 @@ def test_plan_launches_pre_main_post_with_their_grids(registry):
     assert pre.params is main.params is post.params
 
 
-def test_plan_packs_every_tensor_and_stride(registry):
+def test_plan_packs_every_tensor_and_stride(registry, monkeypatch):
+    monkeypatch.setenv(ROUTE_ENV, "atomic")
     p, (dout, q, k, v, out, lse, dq, dk, dv) = plan(registry)
     params = p.launches[1].params
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert [getattr(params, f"{name}_{kind}_stride") for kind in ("batch", "head", "row")] == list(t.stride()[:3])
     assert (params.q, params.dout, params.lse, params.dq) == (q.data_ptr(), dout.data_ptr(), lse.data_ptr(),
                                                               dq.data_ptr())
-    delta, dq_accum, semaphore = p.workspaces
+    delta, dq_accum, semaphore, workspace = p.workspaces
     assert delta.shape == (2, 4, 100) and dq_accum.shape == (2, 4, 128, 128) and dq_accum.dtype == torch.float32
     assert params.delta == delta.data_ptr() and params.dq_accum == dq_accum.data_ptr()
 
 
-def test_deterministic_plan_orders_dq_behind_zeroed_semaphores(registry):
-    p, _ = plan(registry, deterministic=True, causal="bottom_right")
+def test_deterministic_plan_keeps_ds_in_a_workspace_when_it_fits(registry):
+    p, (_, q, *_) = plan(registry, deterministic=True, causal="bottom_right", b=2, hq=4, sq=100, sk=300)
+    assert p.route == "workspace"
+    pre, main, dq = p.launches
+    assert [l.entry.descriptor["kernel"] for l in p.launches] == ["bwd_pre", "bwd", "bwd_dq"]
+    assert main.entry.descriptor["deterministic"] and dq.entry.descriptor["causal"] == "bottom_right"
+    assert dq.grid == (2, 4, 2)  # 100 query rows in tiles of 64
+    delta, dq_accum, semaphore, workspace = p.workspaces
+    assert dq_accum is None and semaphore is None and main.params.dq_accum == 0 and main.params.dq_semaphore == 0
+    # One 64 x 128 dS tile per (batch, head, query tile, key tile), in the input dtype.
+    assert workspace.numel() == 2 * 4 * 2 * 3 * 64 * 128 and workspace.dtype == q.dtype
+    assert main.params.ds_workspace == workspace.data_ptr()
+
+
+def _expect_ordered(p):
     assert p.route == "ordered" and p.launches[1].entry.descriptor["deterministic"] is True
-    assert p.launches[1].entry.descriptor["causal"] == "bottom_right"
+    assert [l.entry.descriptor["kernel"] for l in p.launches] == ["bwd_pre", "bwd", "bwd_post"]
     semaphore = p.workspaces[2]
     assert semaphore.shape == (2, 4, 2) and semaphore.dtype == torch.int32 and not semaphore.any()
-    assert p.launches[1].params.dq_semaphore == semaphore.data_ptr()
-    atomic, _ = plan(registry)
-    assert atomic.route == "atomic" and atomic.workspaces[2] is None and atomic.launches[1].params.dq_semaphore == 0
+    assert p.launches[1].params.dq_semaphore == semaphore.data_ptr() and p.launches[1].params.ds_workspace == 0
+
+
+def test_deterministic_plan_orders_dq_beyond_the_budget(registry, monkeypatch):
+    # Workspace: 2 * 4 * 2 * 3 tiles of 64 x 128 bf16 = 768 KiB; the default budget is 1/16 of the memory.
+    _expect_ordered(plan(registry, deterministic=True, causal="bottom_right", memory=16 * (768 << 10) - 16)[0])
+    assert plan(registry, deterministic=True, memory=16 * (768 << 10))[0].route == "workspace"
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "0")
+    _expect_ordered(plan(registry, deterministic=True, causal="bottom_right")[0])
+
+
+def test_routes_follow_the_measured_preference_by_head_dim(registry):
+    routes = {(d, det): plan(registry, deterministic=det, d=d)[0].route for d in (64, 128, 256) for det in (False, True)}
+    assert routes == {(64, False): "atomic", (64, True): "workspace", (128, False): "workspace",
+                      (128, True): "workspace", (256, False): "workspace", (256, True): "workspace"}
+    atomic, _ = plan(registry, d=64)
+    assert atomic.workspaces[2:] == (None, None)
+    assert atomic.launches[1].params.dq_semaphore == 0 and atomic.launches[1].params.ds_workspace == 0
+    # A call that is not deterministic still runs the deterministic main kernel on the workspace route.
+    assert plan(registry, d=128)[0].launches[1].entry.descriptor["deterministic"] is True
+    # Beyond the budget: ordered when deterministic, else atomic.
+    assert plan(registry, memory=0)[0].route == "atomic"
+
+
+@pytest.mark.parametrize("dq_kernels", [[], [bwd_descriptor("bwd_dq", c, tiles=(128, 128, 4, 2)) for c in CAUSAL]],
+                         ids=["not-generated", "other-tiles"])
+def test_without_a_matching_dq_kernel_the_workspace_route_falls_back(tmp_path, dq_kernels, monkeypatch):
+    registry = make_registry(tmp_path, dq_kernels)
+    assert plan(registry, deterministic=True)[0].route == "ordered"
+    monkeypatch.setenv(ROUTE_ENV, "workspace")
+    with pytest.raises((flashkiln.VariantNotFoundError, flashkiln.UnsupportedError)):
+        plan(registry, deterministic=True)
+
+
+def test_a_forced_route_is_taken_regardless_of_preference_and_budget(registry, monkeypatch):
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "0")
+    for route in ("ordered", "workspace"):
+        monkeypatch.setenv(ROUTE_ENV, route)
+        assert plan(registry, deterministic=True, d=64)[0].route == route
+    monkeypatch.setenv(ROUTE_ENV, "atomic")
+    assert plan(registry, d=256)[0].route == "atomic"
+
+
+@pytest.mark.parametrize("env,value", [(WORKSPACE_BUDGET_ENV, "lots"), (WORKSPACE_BUDGET_ENV, "-1"),
+                                       (ROUTE_ENV, "fastest"), (ROUTE_ENV, "atomic")])
+def test_bad_route_settings_are_typed_errors(registry, monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(flashkiln.InvalidInputError, match=env):
+        plan(registry, deterministic=True)
 
 
 def test_gqa_plan_accumulates_per_query_head(registry):
@@ -122,3 +200,14 @@ def test_sdpa_refuses_what_it_does_not_support():
         flashkiln.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
     with pytest.raises(flashkiln.InvalidInputError, match="CUDA"):
         flashkiln.scaled_dot_product_attention(q, q, q)
+
+
+def test_kernel_written_allocations_skip_the_deterministic_fill_and_restore_it():
+    from flashkiln.inputs import kernel_written_allocations
+
+    before = torch.utils.deterministic.fill_uninitialized_memory
+    with pytest.raises(RuntimeError):
+        with kernel_written_allocations():
+            assert torch.utils.deterministic.fill_uninitialized_memory is False
+            raise RuntimeError
+    assert torch.utils.deterministic.fill_uninitialized_memory == before

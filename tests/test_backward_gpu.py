@@ -1,16 +1,23 @@
 """Attention backward on the GPU: dq, dk, dv against the fp32 reference (FA-style(3)), determinism.
 
+Each dq route is run by name ("atomic", and the deterministic "ordered" and "workspace"), forced
+through $FLASHKILN_BACKWARD_ROUTE and checked in the route log.
+
 Gradients are written into NaN-poisoned buffers with NaN canaries around them; inputs are fresh
 random tensors from a printed seed.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import zlib
+from unittest import mock
 
 import pytest
 import torch
 
 import flashkiln
+from flashkiln.dq_routes import DETERMINISTIC_ROUTES, ROUTE_ENV, ROUTES
 from reference import attention_grad_reference, check_grads_against
 
 pytestmark = pytest.mark.gpu
@@ -54,32 +61,62 @@ def _poisoned_like(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return storage, storage[:, :, 1:-1]
 
 
-def _backward(dout, q, k, v, causal, scale=None, deterministic=False):
+class _RouteLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.routes: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "dq route " in message:
+            self.routes.append(message.rsplit("dq route ", 1)[1])
+
+
+@contextlib.contextmanager
+def _forced_route(route: str):
+    """Run the backward calls inside on `route`, and check that they took it."""
+    logger, handler = logging.getLogger("flashkiln"), _RouteLog()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with mock.patch.dict("os.environ", {ROUTE_ENV: route}):
+            yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert handler.routes and set(handler.routes) == {route}, f"expected dq route {route}, took {handler.routes}"
+
+
+def _backward(dout, q, k, v, causal, scale=None, route="atomic"):
     out, lse = flashkiln.attention_forward(q, k, v, causal=causal, scale=scale)
     storages, buffers = zip(*(_poisoned_like(t) for t in (q, k, v)))
-    grads = flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                         deterministic=deterministic, dq=buffers[0], dk=buffers[1], dv=buffers[2])
+    with _forced_route(route):
+        grads = flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                             deterministic=route != "atomic", dq=buffers[0], dk=buffers[1],
+                                             dv=buffers[2])
     torch.cuda.synchronize()
     for storage in storages:
         assert torch.isnan(storage[:, :, 0]).all() and torch.isnan(storage[:, :, -1]).all(), "canary overwritten"
     return grads
 
 
-def _check_grads(dout, q, k, v, causal, repro: str, scale=None, deterministic=False) -> None:
-    grads = _backward(dout, q, k, v, causal, scale, deterministic)
+def _check_grads(dout, q, k, v, causal, repro: str, scale=None, route="atomic") -> None:
+    grads = _backward(dout, q, k, v, causal, scale, route)
     check_grads_against(grads, attention_grad_reference(q, k, v, dout, causal, scale, torch.float32),
                         attention_grad_reference(q, k, v, dout, causal, scale, q.dtype), repro)
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
-def test_sweep_gqa_bf16(sq, sk, causal, dims):
-    """GQA 6/2, every S pair, head dims, causal mode."""
+def test_sweep_gqa_bf16(sq, sk, causal, dims, route):
+    """GQA 6/2, every S pair, head dims, causal mode and dq route."""
     seed = _seed("bwd", sq, sk, causal, dims)
     q, k, v, dout = _tensors(seed, 2, 6, 2, sq, sk, *dims, torch.bfloat16)
     _check_grads(dout, q, k, v, causal, _repro("test_sweep_gqa_bf16", seed=seed, sq=sq, sk=sk, causal=causal,
-                                                dims=dims))
+                                                dims=dims, route=route), route=route)
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 1), (6, 6)], ids=["mqa6-1", "mha6"])
@@ -93,30 +130,41 @@ def test_heads_and_fp16(dims, sq, sk, causal, hq, hkv):
                                                 causal=causal, hq=hq, hkv=hkv))
 
 
+@pytest.mark.parametrize("route", DETERMINISTIC_ROUTES)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)], ids=["mha", "gqa"])
-def test_deterministic_is_bitwise_reproducible(hq, hkv, causal):
+def test_deterministic_is_bitwise_reproducible(hq, hkv, causal, route):
     """20 runs of the deterministic backward give identical dq, dk, dv (buffers re-poisoned each run)."""
     seed = _seed("det", hq, hkv, causal)
     q, k, v, dout = _tensors(seed, 2, hq, hkv, 1000, 1100, 128, 128, torch.bfloat16)
-    first = _backward(dout, q, k, v, causal, deterministic=True)
+    first = _backward(dout, q, k, v, causal, route=route)
     for _ in range(19):
-        again = _backward(dout, q, k, v, causal, deterministic=True)
+        again = _backward(dout, q, k, v, causal, route=route)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"{name} differs between deterministic runs (seed {seed})"
     check_grads_against(first, attention_grad_reference(q, k, v, dout, causal, None, torch.float32),
                         attention_grad_reference(q, k, v, dout, causal, None, q.dtype),
-                        _repro("test_deterministic_is_bitwise_reproducible", seed=seed, hq=hq, hkv=hkv, causal=causal))
+                        _repro("test_deterministic_is_bitwise_reproducible", seed=seed, hq=hq, hkv=hkv, causal=causal,
+                               route=route))
 
 
+@pytest.mark.parametrize("route", DETERMINISTIC_ROUTES)
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
-def test_deterministic_every_head_dim(dims):
+def test_deterministic_every_head_dim(dims, route):
     seed = _seed("det-dims", dims)
     q, k, v, dout = _tensors(seed, 1, 6, 2, 513, 700, *dims, torch.bfloat16)
-    runs = [_backward(dout, q, k, v, "bottom_right", deterministic=True) for _ in range(3)]
+    runs = [_backward(dout, q, k, v, "bottom_right", route=route) for _ in range(3)]
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
-    _check_grads(dout, q, k, v, "bottom_right", _repro("test_deterministic_every_head_dim", seed=seed, dims=dims),
-                 deterministic=True)
+    _check_grads(dout, q, k, v, "bottom_right", _repro("test_deterministic_every_head_dim", seed=seed, dims=dims,
+                                                       route=route), route=route)
+
+
+def test_deterministic_routes_agree_closely():
+    """The two deterministic routes sum dq in different orders: equal within rounding, not bitwise."""
+    q, k, v, dout = _tensors(_seed("routes"), 2, 4, 4, 777, 900, 128, 128, torch.bfloat16)
+    ordered, workspace = (_backward(dout, q, k, v, "top_left", route=r) for r in DETERMINISTIC_ROUTES)
+    torch.testing.assert_close(workspace[0], ordered[0], rtol=2e-2, atol=2e-2)
+    assert all(torch.equal(a, b) for a, b in zip(ordered[1:], workspace[1:])), "dk and dv do not depend on the route"
 
 
 def test_deterministic_default_follows_torch(caplog):
@@ -131,13 +179,14 @@ def test_deterministic_default_follows_torch(caplog):
             flashkiln.attention_backward(dout, q, k, v, out, lse)
         finally:
             torch.use_deterministic_algorithms(False)
-        assert "dq route ordered" in caplog.text
+        assert "dq route workspace" in caplog.text
 
 
-def test_rows_without_keys_get_zero_dq():
+@pytest.mark.parametrize("route", ROUTES)
+def test_rows_without_keys_get_zero_dq(route):
     seed = _seed("no-keys")
     q, k, v, dout = _tensors(seed, 1, 2, 2, 300, 100, 128, 128, torch.bfloat16)
-    dq, dk, dv = _backward(dout, q, k, v, "bottom_right")
+    dq, dk, dv = _backward(dout, q, k, v, "bottom_right", route=route)
     assert (dq[:, :, :200] == 0).all()
     assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
 

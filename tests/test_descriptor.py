@@ -214,7 +214,7 @@ def test_from_dict_rejects_unknown_fields():
         ({"stages": 1.0}, "stages=1.0"),
         ({"arch": "sm_70"}, "arch='sm_70'"),
         ({"causal": "yes"}, "causal='yes'"),
-        ({"kernel": "bwd_dq"}, "kernel='bwd_dq'"),
+        ({"kernel": "bwd_dk"}, "kernel='bwd_dk'"),
     ],
 )
 def test_invalid_values_raise(overrides, message):

@@ -84,17 +84,18 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_128_unique_variants():
+def test_default_specs_expand_to_158_unique_variants():
     variants = load_variants(REPO / "specs")
-    # fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128), bwd 60, bwd_pre and bwd_post 10 each
-    assert len(variants) == 128
-    assert len({v.descriptor.hash for v in variants}) == 128
-    assert len({v.descriptor.name for v in variants}) == 128
+    # fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128), bwd 60, bwd_pre and bwd_post 10 each,
+    # bwd_dq 30
+    assert len(variants) == 158
+    assert len({v.descriptor.hash for v in variants}) == 158
+    assert len({v.descriptor.name for v in variants}) == 158
     assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
     assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
         (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     kinds = [v.descriptor.kernel for v in variants]
-    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post")] == [48, 60, 10, 10]
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [48, 60, 10, 10, 30]
     assert all(v.spec_file == SPEC for v in variants)
 
 
@@ -317,3 +318,21 @@ def test_cli_list_on_a_broken_spec_dir(tmp_path):
     assert result.stdout == ""
     assert result.stderr.startswith("error: 1 problem(s) in the specs:")
     assert f"{SPEC}:6: variants[0].dtype: unsupported value 'fp8'" in result.stderr
+
+
+def test_bwd_dq_must_repeat_the_bwd_tiles(tmp_path):
+    tuning = GOOD_TUNING + textwrap.dedent("""\
+        bwd:
+          sm_90a:
+            128: {tile_m: 64, tile_n: 128, warps: 8, stages: 2}
+        bwd_dq:
+          sm_90a:
+            128: {tile_m: 64, tile_n: 64, warps: 4, stages: 2}
+        """)
+    spec = GOOD_SPEC.replace("kernel: [fwd]", "kernel: [bwd, bwd_dq]").replace("[sm_80, sm_90a]", "[sm_90a]") \
+        .replace("[64, 128]", "[128]")
+    error = spec_error(tmp_path, spec, tuning)
+    assert len(error.issues) == 1
+    assert_reported(error, TUNING, 15, "bwd_dq.sm_90a.128.tile_n", "64 must equal bwd.sm_90a.128.tile_n = 128")
+    fixed = tuning.replace("128: {tile_m: 64, tile_n: 64, warps: 4", "128: {tile_m: 64, tile_n: 128, warps: 4")
+    assert {d.kernel for d in expand(tmp_path, spec, fixed)} == {"bwd", "bwd_dq"}

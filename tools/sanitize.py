@@ -5,11 +5,14 @@ Run on a GPU machine: compute-sanitizer --tool memcheck tools/pyenv.sh python3 t
 """
 from __future__ import annotations
 
+import os
 import sys
+from unittest import mock
 
 import torch
 
 import flashkiln
+from flashkiln.dq_routes import ROUTE_ENV, ROUTES
 
 CASES = [  # (B, H_q, H_kv, S_q, S_k, d, causal)
     (1, 2, 1, 17, 129, 64, None),
@@ -26,10 +29,13 @@ def main() -> int:
         k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
         out, lse = flashkiln.attention_forward(q, k, v, causal=causal)
-        grads = [flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=causal,
-                                              deterministic=det) for det in (False, True)]
+        grads = []
+        for route in ROUTES:
+            with mock.patch.dict(os.environ, {ROUTE_ENV: route}):
+                grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=causal,
+                                                      deterministic=route != "atomic")
         torch.cuda.synchronize()
-        finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads[0], *grads[1]))
+        finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
         print(f"B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} d={d} causal={causal}: finite={finite}", flush=True)
     return 0
 

@@ -29,10 +29,11 @@ struct BwdParams {
   uint64_t q, k, v, o, dout;  // inputs, (batch, heads, seqlen, dim) by strides
   uint64_t lse;               // float (batch, heads_q, seqlen_q), dense, from the forward
   uint64_t delta;             // float (batch, heads_q, seqlen_q), dense: rowsum(dO * O)
-  uint64_t dq_accum;          // float (batch, heads_q, seqlen_q_rounded, d_qk), dense
+  uint64_t dq_accum;          // float (batch, heads_q, seqlen_q_rounded, d_qk), dense; 0 when unused
   uint64_t dq, dk, dv;        // outputs by strides (dk/dv when heads_q == heads_kv)
   uint64_t dk_accum, dv_accum;  // float (batch, heads_q, seqlen_k, d), dense: per query head (GQA)
-  uint64_t dq_semaphore;      // int (batch, heads_q, seqlen_q_rounded / tile_m), zeroed (deterministic)
+  uint64_t dq_semaphore;      // int (batch, heads_q, seqlen_q_rounded / tile_m), zeroed (ordered route)
+  uint64_t ds_workspace;      // dS tiles of the deterministic workspace route (see bwd_tiles.hpp), or 0
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;

@@ -3,6 +3,8 @@
 // recompute P from Q, K and the forward's LSE; dV += P^T dO; dP = dO V^T; dS = P (dP - delta);
 // dK += dS^T Q; dQ += dS K into an fp32 accumulator in global memory (atomics, or in key-tile
 // order when deterministic). Softmax scale: applied to dK here and to dQ by the postprocess.
+// Deterministic variants have a second route, chosen at launch by a non-null p.ds_workspace: they
+// store each dS tile there instead, and bwd_dq_kernel.hpp computes dQ = dS K afterwards.
 #pragma once
 
 #include <cuda/atomic>
@@ -10,6 +12,7 @@
 
 #include <flashkiln/common.hpp>
 #include <flashkiln/params.hpp>
+#include <flashkiln/portable/bwd_tiles.hpp>
 #include <flashkiln/portable/bwd_traits.hpp>
 #include <flashkiln/portable/masking.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
@@ -17,20 +20,6 @@
 namespace flashkiln::portable {
 
 using namespace cute;
-
-// Writes an (N, d) accumulator scaled by `scale` to rows below `row_limit` of a global tile,
-// converted to the tile's element type; `coord` is the identity partition of the accumulator.
-template <class Acc, class Dst, class Coord>
-__device__ __forceinline__ void store_accumulator(Acc const& acc, Dst&& dst, Coord const& coord, float scale,
-                                                  int row_limit) {
-  using Out = typename cute::remove_cvref_t<Dst>::value_type;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) {
-    if (get<0>(coord(i)) < row_limit) {
-      dst(i) = static_cast<Out>(acc(i) * scale);
-    }
-  }
-}
 
 // dst += acc with fp32 reductions in global memory. Accumulator fragments hold column pairs
 // (2c, 2c+1) at indices (2i, 2i+1), adjacent in memory: on Hopper one vector reduction adds both,
@@ -65,21 +54,18 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   extern __shared__ __align__(128) char smem[];
   const int tidx = threadIdx.x;
   const int n_tiles = gridDim.x;
-  // Deterministic: key tiles add into each query tile from the last one down (see below), and
+  // Ordered dQ route: key tiles add into each query tile from the last one down (see below), and
   // each CTA may only wait for CTAs launched before it, so tile n_tiles - 1 gets the first CTA.
-  const int n_block = T::kDeterministic ? n_tiles - 1 - int(blockIdx.x) : int(blockIdx.x);
+  // Otherwise tile 0 goes first: under a causal mask it visits the most query tiles.
+  const bool ordered_dq = T::kDeterministic && p.ds_workspace == 0;
+  const int n_block = ordered_dq ? n_tiles - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
   const int k_rows = min(kBlockN, p.seqlen_k - n_block * kBlockN);
   const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
-  // The first query tile that sees a key of this tile (query i sees key j iff j <= i + offset).
-  int m_begin = 0;
-  if constexpr (T::kCausal != Causal::none) {
-    const int first_row = n_block * kBlockN - causal_offset;
-    m_begin = first_row <= 0 ? 0 : first_row / kBlockM;
-  }
+  const int m_begin = first_query_tile<T::kCausal, kBlockM, kBlockN>(n_block, causal_offset);
   const int64_t bh = int64_t(batch) * p.heads_q + head;
 
   // ---- global tensors ---------------------------------------------------------------------------
@@ -189,6 +175,39 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   Tensor tdQgdQacc = thr_q.partition_C(gdQacc);  // (MMA, MMA_M, MMA_DQK, m)
 
+  // This key tile's contribution dS K to the current query tile's dQ.
+  auto dq_contribution = [&]() {
+    Tensor acc_dq = partition_fragment_C(mma_q, Shape<Int<kBlockM>, Int<kDimQK>>{});
+    clear(acc_dq);
+    gemm_smem_smem(mma_q, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_q, copy_b_q, thr_copy_a_q, thr_copy_b_q);
+    return acc_dq;
+  };
+  // Key tiles add into a query tile's dQ in a fixed order, from its last visiting key tile down
+  // to tile 0: every tile below a visiting one visits too (visibility is monotone in the key
+  // index), so waiting for n_last - n_block earlier additions is exact. Under a causal mask tile
+  // n + 1 starts n's query tiles' sweep earlier, so in steady state nobody waits; without a mask
+  // the CTAs of a head fall into a one-step lag behind each other.
+  auto add_dq_in_order = [&](int m_block, auto const& acc_dq) {
+    const int n_last = visiting_key_tiles<T::kCausal, kBlockM, kBlockN>(m_block, n_tiles, causal_offset) - 1;
+    cuda::atomic_ref<int, cuda::thread_scope_device> turn(
+        reinterpret_cast<int*>(p.dq_semaphore)[bh * (p.seqlen_q_rounded / kBlockM) + m_block]);
+    if (tidx == 0) {
+      while (turn.load(cuda::memory_order_acquire) != n_last - n_block) {
+      }
+    }
+    __syncthreads();
+    atomic_add_fragment(tdQgdQacc(_, _, _, m_block), acc_dq);
+    // The barrier orders every thread's additions before thread 0's gpu-scope release (PTX
+    // release is cumulative over what the barrier made it observe), so only thread 0's warp
+    // waits for the additions to land; the other warps go on to the dK GEMM.
+    __syncthreads();
+    if (tidx == 0) {
+      turn.fetch_add(1, cuda::memory_order_release);
+    }
+  };
+  typename T::GmemCopydS::Move store_ds;
+  auto thr_store_ds = store_ds.get_thread_slice(tidx);
+
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimQK>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimV>>{});
   clear(acc_dk);
@@ -264,36 +283,16 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       gemm_smem_smem(mma_kv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_offset(tdVsdOt, stage * T::kElemsdO), copy_a_kv,
                      copy_b_kv, thr_copy_a_kv, thr_copy_b_kv);
 
-      Tensor acc_dq = partition_fragment_C(mma_q, Shape<Int<kBlockM>, Int<kDimQK>>{});
-      clear(acc_dq);
-      gemm_smem_smem(mma_q, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_q, copy_b_q, thr_copy_a_q, thr_copy_b_q);
-      Tensor tdQgdQ = tdQgdQacc(_, _, _, m_block);
       if constexpr (T::kDeterministic) {
-        // Key tiles add into a query tile in a fixed order, from its last visible key tile down
-        // to tile 0: every tile below a contributing one contributes too (visibility is monotone
-        // in the key index), so waiting for n_last - n_block earlier additions is exact. Under a
-        // causal mask tile n + 1 starts n's query tiles' sweep earlier, so in steady state nobody
-        // waits; without a mask the CTAs of a head fall into a one-step lag behind each other.
-        int n_last = n_tiles - 1;
-        if constexpr (T::kCausal != Causal::none) {
-          const int last_row = min((m_block + 1) * kBlockM, p.seqlen_q) - 1;
-          n_last = min(n_last, (last_row + causal_offset) / kBlockN);
-        }
-        cuda::atomic_ref<int, cuda::thread_scope_device> turn(
-            reinterpret_cast<int*>(p.dq_semaphore)[bh * (p.seqlen_q_rounded / kBlockM) + m_block]);
-        if (tidx == 0) {
-          while (turn.load(cuda::memory_order_acquire) != n_last - n_block) {
-          }
-        }
-        __syncthreads();
-        atomic_add_fragment(tdQgdQ, acc_dq);
-        __threadfence();
-        __syncthreads();
-        if (tidx == 0) {
-          turn.fetch_add(1, cuda::memory_order_release);
+        if (ordered_dq) {
+          add_dq_in_order(m_block, dq_contribution());
+        } else {
+          // Workspace route: dS leaves as is; the dQ kernel sums dS K in key-tile order.
+          copy(store_ds, thr_store_ds.partition_S(sdS),
+               thr_store_ds.partition_D(ds_workspace_tile<Element, kBlockM, kBlockN>(p, bh, m_block, n_block)));
         }
       } else {
-        atomic_add_fragment(tdQgdQ, acc_dq);
+        atomic_add_fragment(tdQgdQacc(_, _, _, m_block), dq_contribution());
       }
 
       gemm_smem_smem(mma_kv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_offset(tdKsQt, stage * T::kElemsQ), copy_a_kv,

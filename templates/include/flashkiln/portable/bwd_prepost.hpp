@@ -1,5 +1,5 @@
 // The backward's two small memory-bound kernels around the main one:
-//   preprocess:  delta = rowsum(dO * O) in fp32, and the dQ accumulator zeroed;
+//   preprocess:  delta = rowsum(dO * O) in fp32, and the dQ accumulator zeroed (if there is one);
 //   postprocess: dQ = scale * dQ_accum, converted to the element type, written by dQ's strides.
 // Rows are spread over groups of 8 lanes that move 16 bytes each (128 contiguous bytes a row).
 #pragma once
@@ -64,7 +64,7 @@ __device__ __forceinline__ void bwd_preprocess(BwdParams const& p) {
       reinterpret_cast<float*>(p.delta)[bh * p.seqlen_q + row] = sum;
     }
   }
-  if (row < p.seqlen_q_rounded) {
+  if (p.dq_accum != 0 && row < p.seqlen_q_rounded) {
     float4* acc = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.dq_accum) +
                                             (bh * p.seqlen_q_rounded + row) * T::kDimQK);
     for (int i = lane; i < T::kDimQK / 4; i += kRowLanes) {

@@ -1,5 +1,6 @@
-// Compile-time configuration of the portable attention backward (one CTA per key tile, looping
-// over query tiles): three tiled MMAs, shared-memory layouts and their transposed views.
+// Compile-time configuration of the portable attention backward: the main kernel (one CTA per key
+// tile, looping over query tiles: three tiled MMAs, shared-memory layouts and their transposed
+// views) and the dQ kernel of the deterministic workspace route (one CTA per query tile).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -80,12 +81,51 @@ struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   using SmemLayoutKtPlain = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
   using SmemLayoutPdStPlain = decltype(get_nonswizzle_portion(SmemLayoutPdSt{}));
 
+  // The deterministic workspace route stores dS tiles from shared memory with 16-byte moves.
+  using GmemCopydS = GmemTileCopy<Element, kThreads, kBlockN>;
+  static_assert(kBlockM % GmemCopydS::kRowsPerPass == 0,
+                "tile_m must be a multiple of the rows one pass of 16-byte copies covers (tile_n wide)");
+
   // Shared memory: kStages x (Q, dO), then K, V, then P and dS.
   static constexpr int kElemsQ = kBlockM * kDimQK;
   static constexpr int kElemsdO = kBlockM * kDimV;
   static constexpr int kElemsPdS = kBlockM * kBlockN;
   static constexpr int kSmemBytes =
       int(sizeof(Element)) * (kStages * (kElemsQ + kElemsdO) + kBlockN * (kDimQK + kDimV) + 2 * kElemsPdS);
+};
+
+// dQ = dS K for one query tile, over the dS tiles the main kernel wrote (deterministic workspace
+// route). kBlockM and kBlockN must be the main kernel's tiles.
+template <class Element_, int kDimQK_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, Causal kCausal_>
+struct DqTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimQK_, kBlockM_, kBlockN_> {
+  using Element = Element_;
+  static constexpr int kDimQK = kDimQK_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStages = kStages_;  // buffers of the (dS, K) ring
+  static constexpr Causal kCausal = kCausal_;
+  static_assert(kStages == 1 || kStages == 2, "stages must be 1 or 2");
+
+  static constexpr int kWarpsQ = row_warps(kBlockM, kDimQK, kDimQK, kWarps);
+  using TiledMmaQ = TiledMMA<MMA_Atom<Sm80MmaAtom<Element>>, Layout<Shape<Int<kWarpsQ>, Int<kWarps / kWarpsQ>, _1>>,
+                             Tile<Int<16 * kWarpsQ>, Int<16 * (kWarps / kWarpsQ)>, _16>>;
+  static_assert(kBlockM % (16 * kWarpsQ) == 0 && kDimQK % (16 * (kWarps / kWarpsQ)) == 0,
+                "tile_m / d_qk do not split over the warps of dQ");
+
+  using SmemLayoutdS = typename SmemTile<Element, kBlockM, kBlockN>::Layout;
+  using SmemLayoutK = typename SmemTile<Element, kBlockN, kDimQK>::Layout;
+  using SmemLayoutKt = TransposedView<SmemLayoutK, kBlockN, kDimQK>;  // (d_qk, N)
+  using SmemLayoutKtPlain = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
+  using GmemCopydS = GmemTileCopy<Element, kThreads, kBlockN>;
+  static_assert(kBlockM % GmemCopydS::kRowsPerPass == 0,
+                "tile_m must be a multiple of the rows one pass of 16-byte copies covers (tile_n wide)");
+
+  // Shared memory: kStages x (dS tile, K tile).
+  static constexpr int kElemsdS = kBlockM * kBlockN;
+  static constexpr int kElemsK = kBlockN * kDimQK;
+  static constexpr int kSmemBytes = int(sizeof(Element)) * kStages * (kElemsdS + kElemsK);
 };
 
 }  // namespace flashkiln::portable

@@ -106,6 +106,20 @@ __device__ __forceinline__ void gemm_regs_smem(TiledMma& mma, Acc& acc, RegA con
   }
 }
 
+// Writes an (N, d) accumulator scaled by `scale` to rows below `row_limit` of a global tile,
+// converted to the tile's element type; `coord` is the identity partition of the accumulator.
+template <class Acc, class Dst, class Coord>
+__device__ __forceinline__ void store_accumulator(Acc const& acc, Dst&& dst, Coord const& coord, float scale,
+                                                  int row_limit) {
+  using Out = typename cute::remove_cvref_t<Dst>::value_type;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    if (get<0>(coord(i)) < row_limit) {
+      dst(i) = static_cast<Out>(acc(i) * scale);
+    }
+  }
+}
+
 // The (rows, kDim) row-major matrix at `base` (head dim contiguous), cut into (kRows, kDim) tiles;
 // `tile` picks one (an index) or keeps them all as a trailing mode (`_`).
 template <int kRows, int kDim, class Element, class Tile>

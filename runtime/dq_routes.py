@@ -1,0 +1,69 @@
+"""How the backward accumulates dQ (its three routes), and which route a call takes.
+
+- "atomic": key tiles add dS K into an fp32 accumulator with unordered atomics (not deterministic).
+- "ordered": they add in a fixed key-tile order behind per-query-tile semaphores (deterministic).
+- "workspace": the main kernel stores dS tiles in a workspace, and a second kernel computes
+  dQ = dS K per query tile, summing in key-tile order (deterministic). It needs a workspace of
+  B * H_q * S_q * S_k elements rounded up to whole tiles, so it is taken only within a budget.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from .errors import InvalidInputError
+
+log = logging.getLogger("flashkiln")
+
+ROUTES = ("atomic", "ordered", "workspace")
+DETERMINISTIC_ROUTES = ("ordered", "workspace")
+# Forces a route (tests, benchmarks); a deterministic call refuses "atomic".
+ROUTE_ENV = "FLASHKILN_BACKWARD_ROUTE"
+# The workspace route's budget in MiB; default: 1/16 of the GPU's memory (8.8 GB on an H200).
+WORKSPACE_BUDGET_ENV = "FLASHKILN_BACKWARD_WORKSPACE_MIB"
+DEFAULT_BUDGET_FRACTION = 16
+
+
+def workspace_budget_bytes(device_memory: int) -> int:
+    """$FLASHKILN_BACKWARD_WORKSPACE_MIB in bytes, or 1/16 of `device_memory`."""
+    raw = os.environ.get(WORKSPACE_BUDGET_ENV)
+    if raw is None:
+        return device_memory // DEFAULT_BUDGET_FRACTION
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise InvalidInputError(f"{WORKSPACE_BUDGET_ENV}={raw!r}: expected a whole number of MiB (0 turns the "
+                                "workspace route off)")
+    return mib << 20
+
+
+def preferred_route(d_qk: int, deterministic: bool) -> str:
+    """The faster route, as measured on an H200 (docs/perf.md, 2026-11-30, v3).
+
+    The workspace route beat the others wherever it was measured except against the atomic route
+    at d_qk = 64 (even there: 0.97-1.04x): without the dQ GEMM and its reductions the main kernel
+    spills less and never waits, and the dQ kernel is a plain GEMM. Against the ordered route it
+    gained 10-45%, against the atomic one 5-10% at d_qk = 128 and 20-35% at d_qk = 256. Below
+    d_qk = 128 a call that is not deterministic keeps the atomic route and spares the memory.
+    """
+    return "workspace" if deterministic or d_qk >= 128 else "atomic"
+
+
+def forced_route(deterministic: bool) -> str | None:
+    """The route $FLASHKILN_BACKWARD_ROUTE forces, or None."""
+    forced = os.environ.get(ROUTE_ENV)
+    if not forced:
+        return None
+    if forced not in ROUTES:
+        raise InvalidInputError(f"{ROUTE_ENV}={forced!r}: expected one of {', '.join(ROUTES)}")
+    if deterministic and forced not in DETERMINISTIC_ROUTES:
+        raise InvalidInputError(f"{ROUTE_ENV}={forced!r} is not deterministic; a deterministic backward takes "
+                                f"{' or '.join(DETERMINISTIC_ROUTES)}")
+    return forced
+
+
+def fallback_route(deterministic: bool) -> str:
+    """The route that needs no workspace."""
+    return "ordered" if deterministic else "atomic"
