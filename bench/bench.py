@@ -9,6 +9,7 @@ the median of (forward + backward through autograd) minus the median forward.
 
 Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/bench [--quick]
   [--passes fwd bwd] [--extra-kernel-dir LABEL=DIR ...]  (other generated dirs: forward only)
+  [--bias full|shared]  (an additive bias and dBias instead, non-causal)
 """
 from __future__ import annotations
 
@@ -70,9 +71,9 @@ def matmul_peak_tflops() -> float:
 
 
 def torch_sdpa(backend: SDPBackend, causal: bool) -> Attention:
-    def attend(q, k, v):
+    def attend(q, k, v, **kwargs):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
     return attend
 
 
@@ -82,10 +83,10 @@ def with_backward(attend: Attention, dout: torch.Tensor, deterministic: bool,
     flashkiln's dq route forced to `route` when given)."""
     env = {} if route is None else {ROUTE_ENV: route}
 
-    def step(qkv):
-        for t in qkv:
+    def step(leaves):
+        for t in leaves:
             t.grad = None  # no accumulation kernels in the timing
-        out = attend(*qkv)
+        out = attend(*leaves[:3])
         torch.use_deterministic_algorithms(deterministic)
         try:
             with mock.patch.dict(os.environ, env):
@@ -93,6 +94,17 @@ def with_backward(attend: Attention, dout: torch.Tensor, deterministic: bool,
         finally:
             torch.use_deterministic_algorithms(False)
     return step
+
+
+def bias_cases(passes: list[str], bias: torch.Tensor) -> dict:
+    """flashkiln with and without `bias` (its gradient too, when it requires one), and torch's
+    efficient backend with it: the one torch backend that returns dBias."""
+    kiln = lambda q, k, v: flashkiln.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    kiln_bias = lambda q, k, v: flashkiln.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # noqa: E731
+    efficient = torch_sdpa(SDPBackend.EFFICIENT_ATTENTION, False)
+    efficient_bias = lambda q, k, v: efficient(q, k, v, attn_mask=bias)  # noqa: E731
+    return {(name, p): (fn, False, None) for p in passes for name, fn in
+            (("flashkiln", kiln), ("flashkiln+bias", kiln_bias), ("efficient+bias", efficient_bias))}
 
 
 def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, KernelRegistry | None]) -> dict:
@@ -125,7 +137,8 @@ def run(args: argparse.Namespace) -> dict:
         registries[f"flashkiln[{label}]"] = KernelRegistry(Path(path))
     rows = []
     for d in args.head_dims:
-        for causal in (False, True):
+        # torch's SDPA takes no attn_mask together with is_causal: biased runs are not causal.
+        for causal in (False,) if args.bias != "none" else (False, True):
             for s in seqlens:
                 b, h = 16384 // s, 2048 // d
                 gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
@@ -133,15 +146,20 @@ def run(args: argparse.Namespace) -> dict:
                                  for _ in range(4))
                 fwd_flops = 4 * b * h * d * visible_pairs(s, s, causal)
                 grad_qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-                for (name, p), (attend, deterministic, route) in cases_for(d, causal, args.passes,
-                                                                                     registries).items():
+                leaves, cases = grad_qkv, None
+                if args.bias != "none":
+                    bias = torch.randn((b, h, s, s) if args.bias == "full" else (1, 1, s, s), device="cuda",
+                                       dtype=torch.bfloat16, generator=gen).requires_grad_()
+                    leaves, cases = grad_qkv + [bias], bias_cases(args.passes, bias)
+                for (name, p), (attend, deterministic, route) in (cases or cases_for(d, causal, args.passes,
+                                                                                     registries)).items():
                     try:
                         if p == "fwd":
                             with torch.no_grad():
                                 ms = time_ms(lambda: attend(q, k, v), args.warmup, args.reps)
                         else:
                             step = with_backward(attend, dout, deterministic, route)
-                            ms = time_ms(lambda: step(grad_qkv), args.warmup, args.reps) \
+                            ms = time_ms(lambda: step(leaves), args.warmup, args.reps) \
                                 - time_ms(lambda: attend(*grad_qkv), args.warmup, args.reps)
                     except (RuntimeError, FlashkilnError) as exc:
                         print(f"  {name} {p} d={d} causal={causal} S={s}: skipped ({str(exc).splitlines()[0]})",
@@ -152,7 +170,7 @@ def run(args: argparse.Namespace) -> dict:
                                  "heads": h, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
                     print(f"{name:>22} {p} d={d:<3} causal={causal!s:<5} S={s:<5} {ms:8.3f} ms "
                           f"{rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
-                del q, k, v, dout, grad_qkv
+                del q, k, v, dout, grad_qkv, leaves, cases
     cudnn = {(r["pass"], r["d"], r["causal"], r["seqlen"]): r["tflops"] for r in rows if r["backend"] == "cudnn"}
     for r in rows:
         ref = cudnn.get((r["pass"], r["d"], r["causal"], r["seqlen"]))
@@ -230,6 +248,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="S in {2k, 8k} only")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
+    parser.add_argument("--bias", choices=["none", "full", "shared"], default="none",
+                        help="time an additive bias instead (full: (B, H, S, S), shared: (1, 1, S, S)), with dBias "
+                             "in the backward, beside flashkiln without it and torch's efficient backend")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--kernel-dir", type=Path, help="flashkiln's kernels (default: the runtime's default)")

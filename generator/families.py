@@ -64,12 +64,13 @@ class PortableFamily:
 
     def smem_bytes(self, d: VariantDescriptor) -> int:
         elem = _ELEMENT_BYTES[d.dtype]
+        bias_tile = d.tile_m * d.tile_n if d.bias != "none" else 0
         if d.kernel == "fwd":
-            # Q (reused for O), then `stages` buffers of one K and one V tile.
-            return elem * (d.tile_m * max(d.d_qk, d.d_v) + d.stages * d.tile_n * (d.d_qk + d.d_v))
+            # Q (reused for O), then `stages` buffers of one K and one V tile, then one bias tile.
+            return elem * (d.tile_m * max(d.d_qk, d.d_v) + d.stages * d.tile_n * (d.d_qk + d.d_v) + bias_tile)
         if d.kernel == "bwd":
-            # `stages` x (Q, dO), K and V, then P and dS.
-            return elem * (d.stages * d.tile_m * (d.d_qk + d.d_v) + d.tile_n * (d.d_qk + d.d_v)
+            # `stages` x (Q, dO, bias), K and V, then P and dS.
+            return elem * (d.stages * (d.tile_m * (d.d_qk + d.d_v) + bias_tile) + d.tile_n * (d.d_qk + d.d_v)
                            + 2 * d.tile_m * d.tile_n)
         if d.kernel == "bwd_dq":
             # `stages` x (dS tile, K tile).
@@ -83,6 +84,8 @@ class PortableFamily:
             errors.append(f"deterministic=true: {d.kernel} is deterministic by construction; only bwd has the axis")
         if d.kernel in self.ROW_KERNELS and d.causal != "none":
             errors.append(f"causal={d.causal}: {d.kernel} does not mask; list it with causal: [none]")
+        if d.kernel not in ("fwd", "bwd") and d.bias != "none":
+            errors.append(f"bias={d.bias}: {d.kernel} does not read the bias; list it with bias: [none]")
         return errors
 
     def tuning_errors(self, d: VariantDescriptor) -> list[str]:
@@ -115,11 +118,14 @@ class PortableFamily:
                 errors.append(f"tile_n={d.tile_n}: must be a multiple of 16")
         else:
             errors += self._bwd_warp_grid_errors(d)
-            # dS tiles move through global memory (workspace route) as tile_n-wide 16-byte copies.
+        if d.kernel != "fwd" or d.bias != "none":
+            # dS and bias tiles move between global and shared memory as tile_n-wide 16-byte copies.
             rows_per_pass = _gmem_rows_per_pass(self.threads(d), d.tile_n)
-            if d.tile_n % 32 == 0 and d.tile_m % rows_per_pass:
+            if d.tile_n % 32:
+                errors.append(f"tile_n={d.tile_n}: score tiles (bias, dS) need a multiple of 32")
+            elif d.tile_m % rows_per_pass:
                 errors.append(f"tile_m={d.tile_m}: must be a multiple of {rows_per_pass} (rows one pass of "
-                              f"{self.threads(d)} threads copies of a {d.tile_n}-wide dS tile)")
+                              f"{self.threads(d)} threads copies of a {d.tile_n}-wide score tile)")
         for dim in {d.d_qk, d.d_v}:
             rows_per_pass = _gmem_rows_per_pass(self.threads(d), dim)
             for tile_name, rows in (("tile_m", d.tile_m), ("tile_n", d.tile_n)):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import dq_routes, inputs
+from .bias import KernelBias, bias_gradient, ds_row_elements, prepare_bias
 from .errors import UnsupportedError, VariantNotFoundError
 from .launch import KernelLaunch, Target, ceil_div, request, run
 from .manifest import KernelEntry
@@ -46,19 +47,23 @@ def _check_backward_tensors(dout: torch.Tensor, q: torch.Tensor, out: torch.Tens
 def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: str, scale: float,
                   deterministic: bool, capability: tuple[int, int], device_memory: int,
-                  registry: KernelRegistry) -> BackwardPlan:
+                  registry: KernelRegistry, bias: KernelBias | None = None, bias_grad: bool = False) -> BackwardPlan:
     """Choose the route and kernels, allocate their workspaces and pack the parameters (inputs already
-    checked). `device_memory` (bytes) sets the default workspace budget."""
+    checked). `device_memory` (bytes) sets the default workspace budget. With a bias the main
+    kernel is a deterministic one (the variants the specs generate for it); with `bias_grad` the
+    route is the workspace one, whose dS tiles become dBias."""
     b, hq, sq, dqk = q.shape
     _, hkv, sk, dv_dim = v.shape
     dtype = inputs.DTYPES[q.dtype]
-    workspace_kernels = _workspace_kernels(q, sk, dv_dim, causal, deterministic, capability, device_memory,
-                                           registry)
+    has_bias = bias is not None
+    deterministic = deterministic or has_bias
+    workspace_kernels = _workspace_kernels(q, sk, dv_dim, causal, deterministic, has_bias, bias_grad, capability,
+                                           device_memory, registry)
     if workspace_kernels is not None:
         route, (main, dq_kernel) = "workspace", workspace_kernels
     else:
         route, dq_kernel = dq_routes.fallback_route(deterministic), None
-        main = registry.find(request("bwd", dtype, dqk, dv_dim, causal, deterministic), capability)
+        main = registry.find(request("bwd", dtype, dqk, dv_dim, causal, deterministic, has_bias), capability)
     pre = registry.find(request("bwd_pre", dtype, dqk, dv_dim), capability)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
     sq_rounded = ceil_div(sq, tile_m) * tile_m
@@ -71,7 +76,9 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         dv_accum = torch.empty((b, hq, sk, dv_dim), **f32) if grouped else None
         if route == "workspace":
             dq_accum = semaphore = None
-            workspace = torch.empty(_workspace_elements(q, sk, tile_m, tile_n), dtype=q.dtype, device=q.device)
+            # dBias reads every tile, also those no key tile visits (causal): they must be zeros.
+            allocate = torch.zeros if bias_grad and causal != "none" else torch.empty
+            workspace = allocate(_workspace_elements(q, sk), dtype=q.dtype, device=q.device)
         else:
             dq_accum = torch.empty((b, hq, sq_rounded, dqk), **f32)  # zeroed by the preprocess
             semaphore = torch.zeros((b, hq, sq_rounded // tile_m), dtype=torch.int32, device=q.device) \
@@ -83,6 +90,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         lse=lse.data_ptr(), delta=delta.data_ptr(), dq_accum=address(dq_accum), dq=dq.data_ptr(),
         dk=dk.data_ptr(), dv=dv.data_ptr(), dk_accum=address(dk_accum), dv_accum=address(dv_accum),
         dq_semaphore=address(semaphore), ds_workspace=address(workspace),
+        bias=0 if bias is None else bias.tensor.data_ptr(), **(bias.stride_fields() if bias is not None else {}),
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
         **inputs.stride_fields("o", out), **inputs.stride_fields("do", dout), **inputs.stride_fields("dq", dq),
         **inputs.stride_fields("dk", dk), **inputs.stride_fields("dv", dv),
@@ -101,42 +109,48 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return BackwardPlan(launches, route, dk_accum, dv_accum, (delta, dq_accum, semaphore, workspace))
 
 
-def _workspace_elements(q: torch.Tensor, sk: int, tile_m: int, tile_n: int) -> int:
-    """dS workspace size: one (tile_m, tile_n) tile per (batch, query head, query tile, key tile)."""
+def _workspace_elements(q: torch.Tensor, sk: int) -> int:
+    """dS workspace size: dense (B, H_q, S_q, S_k) with rows padded to 16 bytes (bwd_tiles.hpp)."""
     b, hq, sq, _ = q.shape
-    return b * hq * ceil_div(sq, tile_m) * ceil_div(sk, tile_n) * tile_m * tile_n
+    return b * hq * sq * ds_row_elements(sk)
 
 
-def _workspace_kernels(q: torch.Tensor, sk: int, d_v: int, causal: str, deterministic: bool, capability: tuple[int, int],
-                       device_memory: int, registry: KernelRegistry) -> tuple[KernelEntry, KernelEntry] | None:
+def _workspace_kernels(q: torch.Tensor, sk: int, d_v: int, causal: str, deterministic: bool, has_bias: bool,
+                       required: bool, capability: tuple[int, int], device_memory: int,
+                       registry: KernelRegistry) -> tuple[KernelEntry, KernelEntry] | None:
     """(main kernel, dQ kernel) of the workspace route when the call takes it, else None.
 
-    Forced by $FLASHKILN_BACKWARD_ROUTE, it is taken or fails; otherwise it is taken where it is the
-    faster route (dq_routes.preferred_route), within the workspace budget, and when the spec
-    generated both kernels with the same tiles."""
+    `required` (dBias) or forced by $FLASHKILN_BACKWARD_ROUTE, it is taken or fails; otherwise it
+    is taken where it is the faster route (dq_routes.preferred_route), within the workspace
+    budget, and when the spec generated both kernels with the same tiles."""
     forced = dq_routes.forced_route(deterministic)
-    if (forced or dq_routes.preferred_route(q.shape[3], deterministic)) != "workspace":
+    if forced not in (None, "workspace"):
+        if required:
+            raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: dBias comes from the workspace route's dS tiles")
+        return None
+    strict = required or forced == "workspace"
+    if not strict and dq_routes.preferred_route(q.shape[3], deterministic) != "workspace":
         return None
     dtype, dqk = inputs.DTYPES[q.dtype], q.shape[3]
     try:
         # The deterministic main kernel is the one that can store dS (even for a call that is not).
-        main = registry.find(request("bwd", dtype, dqk, d_v, causal, True), capability)
+        main = registry.find(request("bwd", dtype, dqk, d_v, causal, True, has_bias), capability)
         dq_kernel = registry.find(request("bwd_dq", dtype, dqk, d_v, causal), capability)
     except VariantNotFoundError:
-        if forced:
+        if strict:
             raise
         log.debug("flashkiln backward: no deterministic bwd and bwd_dq kernels for the workspace route")
         return None
     tiles = (main.descriptor["tile_m"], main.descriptor["tile_n"])
     if (dq_kernel.descriptor["tile_m"], dq_kernel.descriptor["tile_n"]) != tiles:
         message = f"{dq_kernel.name} does not share the tiles {tiles} of {main.name}"
-        if forced:
+        if strict:
             raise UnsupportedError(f"the workspace route cannot run: {message}")
         log.debug("flashkiln backward: %s", message)
         return None
-    size = _workspace_elements(q, sk, *tiles) * q.element_size()
+    size = _workspace_elements(q, sk) * q.element_size()
     budget = dq_routes.workspace_budget_bytes(device_memory)
-    if not forced and size > budget:
+    if not strict and size > budget:
         log.debug("flashkiln backward: dS workspace of %d MiB exceeds the budget of %d MiB (%s)",
                   size >> 20, budget >> 20, dq_routes.WORKSPACE_BUDGET_ENV)
         return None
@@ -154,12 +168,14 @@ def _check_gradient_buffer(name: str, buffer: torch.Tensor, like: torch.Tensor) 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, *, causal: str | None = None, scale: float | None = None,
-                       deterministic: bool | None = None, dq: torch.Tensor | None = None,
-                       dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-                       registry: KernelRegistry | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of attention_forward's `out` for the upstream gradient `dout`.
+                       bias: torch.Tensor | None = None, bias_grad: bool = False, deterministic: bool | None = None,
+                       dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+                       registry: KernelRegistry | None = None) -> tuple[torch.Tensor, ...]:
+    """Gradients (dq, dk, dv) of attention_forward's `out` for the upstream gradient `dout`, and
+    dbias after them when `bias_grad` (in the bias's own shape, summed over its broadcast dims).
 
-    q, k, v, causal and scale as given to the forward; out and lse are what it returned.
+    q, k, v, causal, scale and bias as given to the forward; out and lse are what it returned.
+    With a bias, the backward runs a deterministic route, and dbias is deterministic too.
     deterministic: bitwise-reproducible dq (dk, dv are always); default
     torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes):
     where it is faster, dS is kept in a workspace of B * H_q * S_q * S_k elements (rounded up to
@@ -183,22 +199,30 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         _check_gradient_buffer(name, buffer, like)
         grads.append(buffer)
     dq, dk, dv = grads
+    if bias_grad and bias is None:
+        inputs.fail("bias_grad=True needs the bias")
+    kernel_bias = None if bias is None else prepare_bias(bias, q, k.shape[2])
+    if bias_grad and bias.dtype == torch.bool:
+        inputs.fail("a boolean mask has no gradient: pass bias_grad=False")
     b, hq, sq, _ = q.shape
     if b * hq == 0 or sq == 0 or k.shape[2] == 0:
         # No query or no key: every gradient is zero (and possibly empty).
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        zeros = (torch.zeros(kernel_bias.shape, dtype=q.dtype, device=q.device),) if bias_grad else ()
+        return dq.zero_(), dk.zero_(), dv.zero_(), *zeros
     q, k, v, out, dout = (inputs.kernel_layout(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     registry = registry or default_registry()
     target = Target.of(q)
     plan = plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal_mode, scale, deterministic,
-                         target.capability, target.memory, registry)
+                         target.capability, target.memory, registry, kernel_bias, bias_grad)
     log.debug("flashkiln backward: %s, dq route %s", plan.launches[1].entry.name, plan.route)
     run(registry, target, plan.launches)
+    if bias_grad:
+        dbias = bias_gradient(plan.workspaces[3], kernel_bias)
     if plan.dk_accum is not None:
         # GQA: sum each group's per-query-head gradients (a fixed-order, deterministic reduction).
         hkv = k.shape[1]
         group = hq // hkv
         dk.copy_(plan.dk_accum.view(b, hkv, group, *plan.dk_accum.shape[2:]).sum(2))
         dv.copy_(plan.dv_accum.view(b, hkv, group, *plan.dv_accum.shape[2:]).sum(2))
-    return dq, dk, dv
+    return (dq, dk, dv, dbias) if bias_grad else (dq, dk, dv)

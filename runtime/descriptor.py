@@ -24,7 +24,7 @@ KERNELS = ("fwd", "bwd_pre", "bwd", "bwd_post", "bwd_dq")
 FAMILIES = ("portable",)
 DTYPES = ("fp16", "bf16")
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
-BIAS_MODES = ("none",)
+BIAS_MODES = ("none", "additive")
 HEAD_DIMS = tuple(range(32, 257, 32))
 
 _CAUSAL_TAGS = {"none": "", "top_left": "causal-tl", "bottom_right": "causal-br"}

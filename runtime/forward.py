@@ -6,21 +6,25 @@ import math
 import torch
 
 from . import inputs
+from .bias import KernelBias, prepare_bias
 from .launch import KernelLaunch, Target, ceil_div, request, run
 from .params import FwdParams
 from .registry import KernelRegistry, default_registry
 
 
 def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 causal: str, scale: float, capability: tuple[int, int], registry: KernelRegistry) -> KernelLaunch:
-    """Choose the kernel and pack its parameters; q, k, v, out and lse are already checked."""
+                 causal: str, scale: float, bias: KernelBias | None, capability: tuple[int, int],
+                 registry: KernelRegistry) -> KernelLaunch:
+    """Choose the kernel and pack its parameters; q, k, v, out, lse and bias are already checked."""
     b, hq, sq, dqk = q.shape
     _, hkv, sk, dv = v.shape
-    entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal), capability)
+    entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal, bias=bias is not None),
+                          capability)
     params = FwdParams(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
+        bias=0 if bias is None else bias.tensor.data_ptr(),
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
-        **inputs.stride_fields("o", out),
+        **inputs.stride_fields("o", out), **(bias.stride_fields() if bias is not None else {}),
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk,
         scale=scale, scale_log2=scale * math.log2(math.e),
     )
@@ -28,20 +32,24 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,
-                      scale: float | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      scale: float | None = None, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None,
                       registry: KernelRegistry | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention forward: softmax(scale * q kᵀ, causal mask) v and its log-sum-exp.
+    """Fused attention forward: softmax(scale * q kᵀ + bias, causal mask) v and its log-sum-exp.
 
     q: (B, H_q, S_q, d_qk), k: (B, H_kv, S_k, d_qk), v: (B, H_kv, S_k, d_v), fp16 or bf16 on one
     CUDA device, any strides with a contiguous head dim (others are copied first); H_q a multiple
     of H_kv (GQA/MQA). causal: None, "top_left" (key j visible to query i iff j <= i) or
-    "bottom_right" (iff j <= i + S_k - S_q). scale defaults to 1/sqrt(d_qk).
+    "bottom_right" (iff j <= i + S_k - S_q). scale defaults to 1/sqrt(d_qk). bias: an additive
+    score bias broadcastable to (B, H_q, S_q, S_k) in the inputs' dtype, or a bool mask (True
+    keeps), as F.scaled_dot_product_attention's attn_mask (flashkiln.bias).
     Returns out (B, H_q, S_q, d_v), in q's memory order, and lse (B, H_q, S_q) in fp32 (natural
     log; -inf for a query that sees no key, whose output row is 0). `out` and `lse` may be given
     preallocated. No autograd here: see flashkiln.scaled_dot_product_attention.
     """
     inputs.check_qkv(q, k, v)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
+    kernel_bias = None if bias is None else prepare_bias(bias, q, k.shape[2])
     if q.device.type != "cuda":
         inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
     d_v = v.shape[3]
@@ -53,5 +61,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
     registry = registry or default_registry()
     target = Target.of(q)
-    run(registry, target, [plan_forward(q, k, v, out, lse, causal_mode, scale, target.capability, registry)])
+    run(registry, target, [plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias, target.capability,
+                                        registry)])
     return out, lse

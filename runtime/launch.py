@@ -35,11 +35,11 @@ class Target:
         return cls(index, (props.major, props.minor), props.total_memory)
 
 
-def request(kernel: str, dtype: str, d_qk: int, d_v: int, causal: str = "none",
-            deterministic: bool = False) -> dict[str, Any]:
+def request(kernel: str, dtype: str, d_qk: int, d_v: int, causal: str = "none", deterministic: bool = False,
+            bias: bool = False) -> dict[str, Any]:
     """The functional fields (all but arch) of the portable kernel a call needs."""
     return {"kernel": kernel, "family": "portable", "dtype": dtype, "d_qk": d_qk, "d_v": d_v, "causal": causal,
-            "bias": "none", "deterministic": deterministic}
+            "bias": "additive" if bias else "none", "deterministic": deterministic}
 
 
 def ceil_div(a: int, b: int) -> int:

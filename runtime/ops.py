@@ -14,6 +14,7 @@ import torch
 
 from . import inputs as checks
 from .backward import attention_backward
+from .bias import empty_bias_gradient
 from .errors import InvalidInputError, UnsupportedError
 from .forward import attention_forward
 
@@ -23,44 +24,50 @@ def _causal_arg(causal: str) -> Optional[str]:
 
 
 @torch.library.custom_op("flashkiln::attention_forward", mutates_args=())
-def attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float,
-                         deterministic: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                         causal: str, scale: float, deterministic: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); `deterministic` is only carried to the backward."""
-    out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), scale=scale)
+    out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), scale=scale, bias=bias)
     return out, lse
 
 
 @attention_forward_op.register_fake
-def _(q, k, v, causal, scale, deterministic):
+def _(q, k, v, bias, causal, scale, deterministic):
     checks.check_qkv(q, k, v)
     return checks.empty_in_memory_order(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashkiln::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          out: torch.Tensor, lse: torch.Tensor, causal: str, scale: float,
-                          deterministic: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_backward(dout, q, k, v, out, lse, causal=_causal_arg(causal), scale=scale,
-                              deterministic=deterministic)
+                          out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor], bias_grad: bool,
+                          causal: str, scale: float, deterministic: Optional[bool]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias); dbias is an empty tensor unless `bias_grad`."""
+    grads = attention_backward(dout, q, k, v, out, lse, causal=_causal_arg(causal), scale=scale, bias=bias,
+                               bias_grad=bias_grad, deterministic=deterministic)
+    return grads if bias_grad else (*grads, q.new_empty(0))
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, deterministic):
-    return tuple(checks.empty_gradient_like(t) for t in (q, k, v))
+def _(dout, q, k, v, out, lse, bias, bias_grad, causal, scale, deterministic):
+    dbias = empty_bias_gradient(bias, q, k.shape[2]) if bias_grad else q.new_empty(0)
+    return (*(checks.empty_gradient_like(t) for t in (q, k, v)), dbias)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, deterministic = inputs
+    q, k, v, bias, causal, scale, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, bias, out, lse)
     ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, bias, out, lse = ctx.saved_tensors
+    bias_grad = bool(ctx.needs_input_grad[3])
     # The LSE output is a statistic for the backward, not differentiable here.
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv, dbias = attention_backward_op(dout, q, k, v, out, lse, bias, bias_grad, ctx.causal, ctx.scale,
+                                              ctx.deterministic)
+    return dq, dk, dv, dbias if bias_grad else None, None, None, None
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -72,24 +79,28 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  *, deterministic: Optional[bool] = None) -> torch.Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, differentiable.
 
-    Supported: (N, H, L, E) or (N, L, E) inputs, is_causal (top-left, as in PyTorch), scale,
-    enable_gqa. Not yet supported (a clear error): attn_mask, dropout_p > 0. deterministic
-    (flashkiln's own, keyword only) picks the bitwise-reproducible backward; by default it follows
-    torch.are_deterministic_algorithms_enabled() when the backward runs.
+    Supported: (N, H, L, E) or (N, L, E) inputs, attn_mask (a bool mask, True keeps, or an additive
+    bias in the inputs' dtype, broadcastable to (N, H, L, S); with requires_grad its gradient
+    comes back reduced to its shape), is_causal (top-left, as in PyTorch; unlike PyTorch it may
+    be combined with attn_mask), scale, enable_gqa. Not supported (a clear error): dropout_p > 0.
+    deterministic (flashkiln's own, keyword only) picks the bitwise-reproducible backward; by
+    default it follows torch.are_deterministic_algorithms_enabled() when the backward runs; with
+    an attn_mask the backward is always deterministic.
     """
-    if attn_mask is not None:
-        raise UnsupportedError("flashkiln.scaled_dot_product_attention: attn_mask is not supported yet")
     if dropout_p != 0.0:
         raise UnsupportedError(f"flashkiln.scaled_dot_product_attention: dropout_p={dropout_p} is not supported "
                                "(only 0.0); apply dropout outside attention or use torch's SDPA")
     three_d = query.dim() == 3
     if three_d:
         query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)  # (N, L, S): one mask per batch entry
     if query.dim() != 4:
         raise InvalidInputError(f"query must be (N, H, L, E) or (N, L, E), got shape {tuple(query.shape)}")
     if not enable_gqa and query.shape[1] != key.shape[1]:
         raise InvalidInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
                                 "for grouped-query attention")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    out, _ = attention_forward_op(query, key, value, "top_left" if is_causal else "none", scale, deterministic)
+    out, _ = attention_forward_op(query, key, value, attn_mask, "top_left" if is_causal else "none", scale,
+                                  deterministic)
     return out.squeeze(1) if three_d else out

@@ -21,7 +21,8 @@ class FwdParams(ctypes.Structure):
         ("v", ctypes.c_uint64),
         ("o", ctypes.c_uint64),
         ("lse", ctypes.c_uint64),
-        # Strides in elements; the head dim is always contiguous (stride 1).
+        ("bias", ctypes.c_uint64),
+        # Strides in elements; the head dim (the key dim for the bias) is always contiguous.
         ("q_batch_stride", ctypes.c_int64),
         ("q_head_stride", ctypes.c_int64),
         ("q_row_stride", ctypes.c_int64),
@@ -34,6 +35,9 @@ class FwdParams(ctypes.Structure):
         ("o_batch_stride", ctypes.c_int64),
         ("o_head_stride", ctypes.c_int64),
         ("o_row_stride", ctypes.c_int64),
+        ("bias_batch_stride", ctypes.c_int64),
+        ("bias_head_stride", ctypes.c_int64),
+        ("bias_row_stride", ctypes.c_int64),
         ("batch", ctypes.c_int32),
         ("heads_q", ctypes.c_int32),
         ("heads_kv", ctypes.c_int32),
@@ -53,8 +57,8 @@ class BwdParams(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_uint64) for name in (
             "q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dq", "dk", "dv", "dk_accum", "dv_accum",
-            "dq_semaphore", "ds_workspace")),
-        *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
+            "dq_semaphore", "ds_workspace", "bias")),
+        *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv", "bias"),
         ("batch", ctypes.c_int32),
         ("heads_q", ctypes.c_int32),
         ("heads_kv", ctypes.c_int32),

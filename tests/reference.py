@@ -24,9 +24,19 @@ class Reference:
     empty_rows: torch.Tensor  # (B, H_q, S_q) bool: rows that see no key
 
 
+def as_additive(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool mask (True keeps) as a 0/-inf bias; an additive bias in `dtype`."""
+    if bias is None:
+        return None
+    if bias.dtype == torch.bool:
+        return torch.zeros(bias.shape, dtype=dtype, device=bias.device).masked_fill(~bias, float("-inf"))
+    return bias if bias.dtype == dtype else bias.to(dtype)
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None, scale: float | None,
-                        compute_dtype: torch.dtype) -> Reference:
-    """softmax(scale q kᵀ) v computed in `compute_dtype` (fp32 for REF32, the input dtype for REFLP).
+                        compute_dtype: torch.dtype, bias: torch.Tensor | None = None) -> Reference:
+    """softmax(scale q kᵀ + bias) v computed in `compute_dtype` (fp32 for REF32, the input dtype for
+    REFLP); `bias` broadcasts to the scores, a bool mask keeps where True.
 
     Rows that see no key follow the convention (O = 0, LSE = -inf) instead of PyTorch's NaN.
     """
@@ -36,6 +46,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + as_additive(bias, compute_dtype)
     mask = visible_mask(q.shape[2], k.shape[2], causal, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -55,15 +67,22 @@ class GradReference:
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
+    dbias: torch.Tensor | None = None  # in the bias's shape, when a float bias was given
 
 
 def attention_grad_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                             causal: str | None, scale: float | None, compute_dtype: torch.dtype) -> GradReference:
-    """dq, dk, dv of attention_reference(...).out for upstream gradient `dout` (autograd in `compute_dtype`)."""
+                             causal: str | None, scale: float | None, compute_dtype: torch.dtype,
+                             bias: torch.Tensor | None = None) -> GradReference:
+    """dq, dk, dv (and dbias for a float bias) of attention_reference(...).out for upstream gradient
+    `dout` (autograd in `compute_dtype`)."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    ref = attention_reference(*leaves, causal, scale, compute_dtype)
+    bias_leaf = None
+    if bias is not None:
+        bias_leaf = bias if bias.dtype == torch.bool else bias.detach().to(compute_dtype).requires_grad_()
+    ref = attention_reference(*leaves, causal, scale, compute_dtype, bias_leaf)
     ref.out.backward(dout.to(compute_dtype))
-    return GradReference(*(t.grad for t in leaves))
+    dbias = bias_leaf.grad if bias_leaf is not None and bias_leaf.dtype != torch.bool else None
+    return GradReference(*(t.grad for t in leaves), dbias)
 
 
 def fa_style_check(name: str, got: torch.Tensor, ref32: torch.Tensor, reflp: torch.Tensor, k: float,
@@ -91,7 +110,9 @@ GRAD_FLOOR = 1e-4
 
 
 def check_grads_against(grads, ref32: GradReference, reflp: GradReference, repro: str) -> None:
-    """FA-style(3) on dq, dk and dv."""
-    for name, got, r32, rlp in zip(("dq", "dk", "dv"), grads, (ref32.dq, ref32.dk, ref32.dv),
-                                   (reflp.dq, reflp.dk, reflp.dv)):
+    """FA-style(3) on dq, dk and dv, and on dbias when `grads` has a fourth entry."""
+    names = ("dq", "dk", "dv", "dbias")[:len(grads)]
+    for name, got in zip(names, grads):
+        r32, rlp = getattr(ref32, name), getattr(reflp, name)
+        assert got.shape == r32.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(r32.shape)}\n{repro}"
         fa_style_check(name, got, r32, rlp, 3, repro, floor=GRAD_FLOOR)

@@ -155,7 +155,7 @@ def outputs_for(q, d_v):
 
 def plan(registry, q, k, v, causal="none", scale=0.125, capability=(9, 0)):
     out, lse = outputs_for(q, v.shape[3])
-    return plan_forward(q, k, v, out, lse, causal, scale, capability, registry), out, lse
+    return plan_forward(q, k, v, out, lse, causal, scale, None, capability, registry), out, lse
 
 
 def f32(x: float) -> float:

@@ -17,10 +17,11 @@ from test_registry import FakeDriver, kernel_entry, write_manifest
 TILES = {"bwd": (64, 128, 8, 2), "bwd_pre": (16, 1, 4, 1), "bwd_post": (16, 1, 4, 1), "bwd_dq": (64, 128, 4, 2)}
 
 
-def bwd_descriptor(kernel: str, causal="none", deterministic=False, d=128, tiles=None) -> VariantDescriptor:
+def bwd_descriptor(kernel: str, causal="none", deterministic=False, d=128, tiles=None,
+                   bias="none") -> VariantDescriptor:
     tile_m, tile_n, warps, stages = tiles or TILES[kernel]
     return VariantDescriptor(kernel=kernel, family="portable", arch="sm_90a", dtype="bf16", d_qk=d, d_v=d,
-                             causal=causal, bias="none", deterministic=deterministic, tile_m=tile_m, tile_n=tile_n,
+                             causal=causal, bias=bias, deterministic=deterministic, tile_m=tile_m, tile_n=tile_n,
                              warps=warps, stages=stages)
 
 
@@ -97,8 +98,8 @@ def test_deterministic_plan_keeps_ds_in_a_workspace_when_it_fits(registry):
     assert dq.grid == (2, 4, 2)  # 100 query rows in tiles of 64
     delta, dq_accum, semaphore, workspace = p.workspaces
     assert dq_accum is None and semaphore is None and main.params.dq_accum == 0 and main.params.dq_semaphore == 0
-    # One 64 x 128 dS tile per (batch, head, query tile, key tile), in the input dtype.
-    assert workspace.numel() == 2 * 4 * 2 * 3 * 64 * 128 and workspace.dtype == q.dtype
+    # Dense dS in the input dtype, rows of S_k = 300 padded to whole 16-byte pieces (304).
+    assert workspace.numel() == 2 * 4 * 100 * 304 and workspace.dtype == q.dtype
     assert main.params.ds_workspace == workspace.data_ptr()
 
 
@@ -111,9 +112,10 @@ def _expect_ordered(p):
 
 
 def test_deterministic_plan_orders_dq_beyond_the_budget(registry, monkeypatch):
-    # Workspace: 2 * 4 * 2 * 3 tiles of 64 x 128 bf16 = 768 KiB; the default budget is 1/16 of the memory.
-    _expect_ordered(plan(registry, deterministic=True, causal="bottom_right", memory=16 * (768 << 10) - 16)[0])
-    assert plan(registry, deterministic=True, memory=16 * (768 << 10))[0].route == "workspace"
+    # Workspace: 2 * 4 * 100 rows of 304 bf16; the default budget is 1/16 of the memory.
+    size = 2 * 4 * 100 * 304 * 2
+    _expect_ordered(plan(registry, deterministic=True, causal="bottom_right", memory=16 * size - 16)[0])
+    assert plan(registry, deterministic=True, memory=16 * size)[0].route == "workspace"
     monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "0")
     _expect_ordered(plan(registry, deterministic=True, causal="bottom_right")[0])
 
@@ -194,8 +196,8 @@ def test_sdpa_refuses_what_it_does_not_support():
     q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(flashkiln.UnsupportedError, match="dropout"):
         flashkiln.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
-    with pytest.raises(flashkiln.UnsupportedError, match="attn_mask"):
-        flashkiln.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(flashkiln.InvalidInputError, match="does not broadcast"):
+        flashkiln.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(7, 8, dtype=torch.bool))
     with pytest.raises(flashkiln.InvalidInputError, match="enable_gqa"):
         flashkiln.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
     with pytest.raises(flashkiln.InvalidInputError, match="CUDA"):

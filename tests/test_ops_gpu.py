@@ -20,31 +20,40 @@ def _qkv(seed: int, b=2, hq=4, hkv=4, sq=257, sk=257, d=64, dtype=torch.bfloat16
     return [t.requires_grad_(requires_grad) for t in tensors]
 
 
-OPCHECK_SAMPLES = [  # (b, hq, hkv, sq, sk, d, causal)
-    (1, 2, 2, 64, 64, 64, "none"),
-    (2, 4, 2, 129, 300, 128, "top_left"),
-    (1, 6, 1, 300, 129, 128, "bottom_right"),
-    (2, 2, 2, 17, 17, 256, "none"),
-    (1, 3, 3, 200, 100, 96, "bottom_right"),
-    (1, 2, 1, 64, 256, 64, "top_left"),
+OPCHECK_SAMPLES = [  # (b, hq, hkv, sq, sk, d, causal, bias shape or None)
+    (1, 2, 2, 64, 64, 64, "none", None),
+    (2, 4, 2, 129, 300, 128, "top_left", (2, 4, 129, 300)),
+    (1, 6, 1, 300, 129, 128, "bottom_right", None),
+    (2, 2, 2, 17, 17, 256, "none", (1, 1, 17, 17)),
+    (1, 3, 3, 200, 100, 96, "bottom_right", None),
+    (1, 2, 1, 64, 256, 64, "top_left", (64, 256)),
 ]
+
+
+def _sample(sample, requires_grad):
+    b, hq, hkv, sq, sk, d, causal, bias_shape = sample
+    seed = zlib.crc32(repr(sample).encode())
+    q, k, v = _qkv(seed, b, hq, hkv, sq, sk, d, requires_grad=requires_grad)
+    bias = None
+    if bias_shape is not None:
+        gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+        bias = torch.randn(bias_shape, device="cuda", dtype=q.dtype, generator=gen).requires_grad_(requires_grad)
+    return q, k, v, bias, causal, d**-0.5
 
 
 @pytest.mark.parametrize("sample", OPCHECK_SAMPLES)
 def test_opcheck_forward(sample):
-    b, hq, hkv, sq, sk, d, causal = sample
-    q, k, v = _qkv(zlib.crc32(repr(sample).encode()), b, hq, hkv, sq, sk, d)
-    torch.library.opcheck(torch.ops.flashkiln.attention_forward.default, (q, k, v, causal, d**-0.5, None))
+    q, k, v, bias, causal, scale = _sample(sample, requires_grad=True)
+    torch.library.opcheck(torch.ops.flashkiln.attention_forward.default, (q, k, v, bias, causal, scale, None))
 
 
 @pytest.mark.parametrize("sample", OPCHECK_SAMPLES)
 def test_opcheck_backward(sample):
-    b, hq, hkv, sq, sk, d, causal = sample
-    q, k, v = _qkv(zlib.crc32(repr(sample).encode()), b, hq, hkv, sq, sk, d, requires_grad=False)
-    out, lse = torch.ops.flashkiln.attention_forward(q, k, v, causal, d**-0.5, None)
+    q, k, v, bias, causal, scale = _sample(sample, requires_grad=False)
+    out, lse = torch.ops.flashkiln.attention_forward(q, k, v, bias, causal, scale, None)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.flashkiln.attention_backward.default,
-                          (dout, q, k, v, out, lse, causal, d**-0.5, True))
+                          (dout, q, k, v, out, lse, bias, bias is not None, causal, scale, True))
 
 
 def _loss_and_grads(fn, q, k, v, dout):

@@ -28,6 +28,7 @@ DESCRIPTORS = [
     desc(arch="sm_80", dtype="fp16", d_qk=192, d_v=128, causal="top_left", tile_m=64, tile_n=64, stages=2),
     desc(arch="sm_86", dtype="fp16", d_qk=64, d_v=64, causal="none", tile_m=128, tile_n=32, warps=8),
     desc(d_qk=256, d_v=256, warps=8, tile_n=32),
+    desc(bias="additive", stages=2),
 ]
 IDS = [d.name for d in DESCRIPTORS]
 
@@ -65,7 +66,7 @@ def test_entry_point_is_the_descriptor_symbol(d):
 def test_traits_arguments_match_the_descriptor(d):
     args = traits_arguments(render(d))
     expected = [ELEMENTS[d.dtype], str(d.d_qk), str(d.d_v), str(d.tile_m), str(d.tile_n), str(d.warps),
-                str(d.stages), f"flashkiln::Causal::{d.causal}"]
+                str(d.stages), f"flashkiln::Causal::{d.causal}", str(d.bias != "none").lower()]
     assert args == expected
 
 
@@ -82,6 +83,8 @@ def test_smem_formula_on_known_values():
     # 2 bytes * (64 * 192 + 2 stages * 64 * (192 + 128))
     assert FAMILIES["portable"].smem_bytes(DESCRIPTORS[1]) == 106496
     assert "kSmemBytes == 106496," in render(DESCRIPTORS[1])
+    # 2 bytes * (128 * 128 + 2 stages * 64 * (128 + 128) + one 128 x 64 bias tile)
+    assert FAMILIES["portable"].smem_bytes(DESCRIPTORS[4]) == 114688
 
 
 @pytest.mark.parametrize("d", DESCRIPTORS, ids=IDS)
@@ -106,7 +109,7 @@ def test_params_abi_static_asserts_cover_every_field(d):
 def test_params_layout_has_the_expected_float_fields_and_size():
     layout = params_layout("fwd")
     assert [f.name for f in layout.fields if f.is_float] == ["scale", "scale_log2"]
-    assert layout.size == 168
+    assert layout.size == 200  # 6 addresses, 15 strides, 5 ints, 2 floats, padding
 
 
 @pytest.mark.parametrize("d", DESCRIPTORS, ids=IDS)

@@ -14,29 +14,33 @@ import torch
 import flashkiln
 from flashkiln.dq_routes import ROUTE_ENV, ROUTES
 
-CASES = [  # (B, H_q, H_kv, S_q, S_k, d, causal)
-    (1, 2, 1, 17, 129, 64, None),
-    (1, 2, 2, 129, 17, 128, "bottom_right"),
-    (2, 3, 1, 113, 200, 256, "top_left"),
-    (1, 1, 1, 1, 1, 128, None),
+CASES = [  # (B, H_q, H_kv, S_q, S_k, d, causal, bias shape or None)
+    (1, 2, 1, 17, 129, 64, None, (1, 1, 1, 129)),
+    (1, 2, 2, 129, 17, 128, "bottom_right", (1, 2, 129, 17)),
+    (2, 3, 1, 113, 200, 256, "top_left", None),
+    (1, 1, 1, 1, 1, 128, None, None),
 ]
 
 
 def main() -> int:
     limit = int(sys.argv[1]) if len(sys.argv) > 1 else len(CASES)
-    for b, hq, hkv, sq, sk, d, causal in CASES[:limit]:
+    for b, hq, hkv, sq, sk, d, causal, bias_shape in CASES[:limit]:
         q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
-        out, lse = flashkiln.attention_forward(q, k, v, causal=causal)
+        bias = None if bias_shape is None else torch.randn(bias_shape, device="cuda", dtype=torch.bfloat16)
+        out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias)
         grads = []
-        for route in ROUTES:
+        # A biased backward runs the deterministic routes only (and dBias the workspace one).
+        for route in ROUTES if bias is None else ("ordered", "workspace"):
             with mock.patch.dict(os.environ, {ROUTE_ENV: route}):
                 grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=causal,
-                                                      deterministic=route != "atomic")
+                                                      deterministic=route != "atomic", bias=bias,
+                                                      bias_grad=bias is not None and route == "workspace")
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
-        print(f"B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} d={d} causal={causal}: finite={finite}", flush=True)
+        print(f"B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} d={d} causal={causal} bias={bias_shape}: finite={finite}",
+              flush=True)
     return 0
 
 

@@ -14,10 +14,12 @@ struct FwdParams {
   uint64_t v;    // (batch, heads_kv, seqlen_k, d_v)
   uint64_t o;    // (batch, heads_q, seqlen_q, d_v)
   uint64_t lse;  // float (batch, heads_q, seqlen_q), dense; natural log
+  uint64_t bias;  // additive score bias (batch, heads_q, seqlen_q, seqlen_k) by strides, or 0
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;
   int64_t o_batch_stride, o_head_stride, o_row_stride;
+  int64_t bias_batch_stride, bias_head_stride, bias_row_stride;  // 0 where the bias broadcasts
   int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   float scale;       // applied to Q K^T
   float scale_log2;  // scale * log2(e): the softmax runs in base 2
@@ -34,6 +36,7 @@ struct BwdParams {
   uint64_t dk_accum, dv_accum;  // float (batch, heads_q, seqlen_k, d), dense: per query head (GQA)
   uint64_t dq_semaphore;      // int (batch, heads_q, seqlen_q_rounded / tile_m), zeroed (ordered route)
   uint64_t ds_workspace;      // dS tiles of the deterministic workspace route (see bwd_tiles.hpp), or 0
+  uint64_t bias;              // as in FwdParams
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;
@@ -42,6 +45,7 @@ struct BwdParams {
   int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
+  int64_t bias_batch_stride, bias_head_stride, bias_row_stride;
   int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   int32_t seqlen_q_rounded;  // rows of dq_accum per head: a multiple of the main kernel's tile_m
   float scale;

@@ -1,7 +1,8 @@
 // The deterministic workspace route's dQ kernel: one CTA per (query tile, head, batch) sums
 // dS K over the key tiles that visited its query tile, from the first to the last (a fixed
-// order, so dQ is bitwise reproducible), then writes dQ scaled and converted. The dS tiles come
-// from the main kernel's workspace (see bwd_tiles.hpp); their hidden entries are already zero.
+// order, so dQ is bitwise reproducible), then writes dQ scaled and converted. dS comes from the
+// main kernel's workspace (see bwd_tiles.hpp); its hidden entries are already zero, and pieces
+// past the sequence ends are zero-filled on load.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -56,9 +57,12 @@ __device__ __forceinline__ void bwd_dq_kernel(BwdParams const& p) {
   Tensor tKsK = thr_load_k.partition_D(sK);
   Tensor tKcK = thr_load_k.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimQK>>{}));
   Tensor tdSsdS = thr_load_ds.partition_D(sdS);
+  Tensor tdScdS = thr_load_ds.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor gdS = ds_workspace_tiles<Element, kBlockM, kBlockN>(p, bh);  // (M, N, m, n)
   auto load_tiles = [&](int n_block, int stage) {
-    copy(load_ds, thr_load_ds.partition_S(ds_workspace_tile<Element, kBlockM, kBlockN>(p, bh, m_block, n_block)),
-         at_offset(tdSsdS, stage * T::kElemsdS));
+    copy_rows_cols<true>(load_ds, thr_load_ds.partition_S(gdS(_, _, m_block, n_block)),
+                         at_offset(tdSsdS, stage * T::kElemsdS), tdScdS, p.seqlen_q - m_block * kBlockM,
+                         p.seqlen_k - n_block * kBlockN);
     copy_rows<true>(load_k, tKgK(_, _, _, n_block), at_offset(tKsK, stage * T::kElemsK), tKcK,
                     p.seqlen_k - n_block * kBlockN);
   };

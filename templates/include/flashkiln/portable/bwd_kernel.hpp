@@ -12,6 +12,7 @@
 
 #include <flashkiln/common.hpp>
 #include <flashkiln/params.hpp>
+#include <flashkiln/portable/bias.hpp>
 #include <flashkiln/portable/bwd_tiles.hpp>
 #include <flashkiln/portable/bwd_traits.hpp>
 #include <flashkiln/portable/masking.hpp>
@@ -90,6 +91,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   Element* smem_v = smem_k + kBlockN * kDimQK;
   Element* smem_p = smem_v + kBlockN * kDimV;
   Element* smem_ds = smem_p + T::kElemsPdS;
+  Element* smem_bias = smem_ds + T::kElemsPdS;  // kStages bias tiles (kBias)
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutQ{});  // stage 0
   Tensor sQt = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutQt{});
   Tensor sQtPlain = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutQtPlain{});
@@ -119,10 +121,21 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   Tensor tdOsdO = thr_load_vo.partition_D(sdO);
   Tensor tdOcdO = thr_load_vo.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kDimV>>{}));
 
+  Tensor sBias = make_tensor(make_smem_ptr(smem_bias), typename T::SmemLayoutPdS{});  // stage 0
+  typename T::GmemCopydS::AsyncLoad load_bias;
+  auto thr_load_bias = load_bias.get_thread_slice(tidx);
+  Tensor tBsB = thr_load_bias.partition_D(sBias);
+  Tensor tBcB = thr_load_bias.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
   auto load_query_tile = [&](int m_block, int stage) {
     const int rows = p.seqlen_q - m_block * kBlockM;
     copy_rows<true>(load_qk, tQgQ(_, _, _, m_block), at_offset(tQsQ, stage * T::kElemsQ), tQcQ, rows);
     copy_rows<true>(load_vo, tdOgdO(_, _, _, m_block), at_offset(tdOsdO, stage * T::kElemsdO), tdOcdO, rows);
+    if constexpr (T::kBias) {
+      Tensor gBias = gmem_bias_tiles<kBlockM, kBlockN, Element>(p, batch, head)(_, _, m_block, n_block);
+      copy_rows_cols<true>(load_bias, thr_load_bias.partition_S(gBias), at_offset(tBsB, stage * T::kElemsBias), tBcB,
+                     rows, p.seqlen_k - n_block * kBlockN);
+    }
   };
 
   // ---- MMA partitions ---------------------------------------------------------------------------
@@ -173,6 +186,8 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   Tensor tdSsdS = thr_store_sdp.partition_D(sdS);
 
   Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  Tensor tSsBias = thr_sdp.partition_C(sBias);
+  const float inv_scale = 1.f / p.scale;
   Tensor tdQgdQacc = thr_q.partition_C(gdQacc);  // (MMA, MMA_M, MMA_DQK, m)
 
   // This key tile's contribution dS K to the current query tile's dQ.
@@ -207,6 +222,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   };
   typename T::GmemCopydS::Move store_ds;
   auto thr_store_ds = store_ds.get_thread_slice(tidx);
+  Tensor tDScDS = thr_store_ds.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimQK>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimV>>{});
@@ -255,6 +271,9 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       clear(acc_dp);
       gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, at_offset(tSsQ, stage * T::kElemsQ), tSsK, copy_a_sdp,
                      copy_b_sdp, thr_copy_a_sdp, thr_copy_b_sdp);
+      if constexpr (T::kBias) {
+        add_bias(acc_s, at_offset(tSsBias, stage * T::kElemsBias), inv_scale);
+      }
       gemm_smem_smem(mma_sdp, acc_dp, tdPrdO, tdPrV, at_offset(tdPsdO, stage * T::kElemsdO), tdPsV, copy_a_sdp,
                      copy_b_sdp, thr_copy_a_sdp, thr_copy_b_sdp);
 
@@ -287,9 +306,12 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
         if (ordered_dq) {
           add_dq_in_order(m_block, dq_contribution());
         } else {
-          // Workspace route: dS leaves as is; the dQ kernel sums dS K in key-tile order.
-          copy(store_ds, thr_store_ds.partition_S(sdS),
-               thr_store_ds.partition_D(ds_workspace_tile<Element, kBlockM, kBlockN>(p, bh, m_block, n_block)));
+          // Workspace route: dS leaves as is (the pieces inside the sequences; masked entries
+          // are zeros); the dQ kernel sums dS K in key-tile order.
+          copy_rows_cols<false>(store_ds, thr_store_ds.partition_S(sdS),
+                                thr_store_ds.partition_D(ds_workspace_tiles<Element, kBlockM, kBlockN>(p, bh)(
+                                    _, _, m_block, n_block)),
+                                tDScDS, p.seqlen_q - m_block * kBlockM, p.seqlen_k - n_block * kBlockN);
         }
       } else {
         atomic_add_fragment(tdQgdQacc(_, _, _, m_block), dq_contribution());

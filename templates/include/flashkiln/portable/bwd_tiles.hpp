@@ -1,5 +1,5 @@
 // Which (query tile, key tile) pairs the backward's main kernel visits, and where the
-// deterministic workspace route keeps each pair's dS tile. The main kernel (one CTA per key tile)
+// workspace route keeps dS. The main kernel (one CTA per key tile)
 // and the dQ kernel (one CTA per query tile) both derive their loops from here, so the dQ kernel
 // reads exactly the dS tiles the main kernel wrote.
 #pragma once
@@ -35,17 +35,17 @@ __device__ __forceinline__ int visiting_key_tiles(int m_block, int n_tiles, int 
   }
 }
 
-// The dS tile of one (head, query tile, key tile) pair in the workspace: tiles are dense
-// (kBlockM, kBlockN) row-major blocks, ordered (batch * heads_q + head, m_block, n_block).
+// The dS workspace of the workspace route: dense (batch * heads_q, seqlen_q, ld) row-major, with
+// rows padded to whole 16-byte pieces (ld = seqlen_k rounded up to 8 elements), so that dBias of
+// a full bias is a view of it. Returns one (batch, head)'s dS as (kBlockM, kBlockN) tiles, (M, N, m, n).
 template <class Element, int kBlockM, int kBlockN>
-__device__ __forceinline__ auto ds_workspace_tile(BwdParams const& p, int64_t bh, int m_block, int n_block) {
-  const int64_t m_tiles = ceil_div(p.seqlen_q, kBlockM);
-  const int64_t n_tiles = ceil_div(p.seqlen_k, kBlockN);
-  Element* tile = reinterpret_cast<Element*>(p.ds_workspace) +
-                  ((bh * m_tiles + m_block) * n_tiles + n_block) * (kBlockM * kBlockN);
-  return cute::make_tensor(cute::make_gmem_ptr(tile),
-                           cute::Layout<cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>,
-                                        cute::Stride<cute::Int<kBlockN>, cute::_1>>{});
+__device__ __forceinline__ auto ds_workspace_tiles(BwdParams const& p, int64_t bh) {
+  static_assert(sizeof(Element) == 2, "rows are padded to multiples of 8 two-byte elements");
+  const int64_t ld = ceil_div(p.seqlen_k, 8) * 8;
+  Element* base = reinterpret_cast<Element*>(p.ds_workspace) + bh * p.seqlen_q * ld;
+  auto ds = cute::make_tensor(cute::make_gmem_ptr(base), cute::make_shape(p.seqlen_q, p.seqlen_k),
+                              cute::make_stride(ld, cute::_1{}));
+  return cute::local_tile(ds, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}, cute::make_coord(cute::_, cute::_));
 }
 
 }  // namespace flashkiln::portable

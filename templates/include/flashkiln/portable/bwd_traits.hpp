@@ -25,7 +25,7 @@ constexpr int row_warps(int rows, int cols_a, int cols_b, int warps) {
 }
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
-          Causal kCausal_, bool kDeterministic_>
+          Causal kCausal_, bool kDeterministic_, bool kBias_>
 struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -39,6 +39,8 @@ struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   static constexpr Causal kCausal = kCausal_;
   // dQ contributions of the key tiles are added in key-tile order (bitwise reproducible).
   static constexpr bool kDeterministic = kDeterministic_;
+  // An additive score bias (bias.hpp): its tile of each step rides in the Q/dO ring.
+  static constexpr bool kBias = kBias_;
 
   static_assert(cute::is_same_v<Element, cutlass::half_t> || cute::is_same_v<Element, cutlass::bfloat16_t>);
   static_assert(kWarps == 4 || kWarps == 8, "backward warps must be 4 or 8");
@@ -81,17 +83,16 @@ struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   using SmemLayoutKtPlain = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
   using SmemLayoutPdStPlain = decltype(get_nonswizzle_portion(SmemLayoutPdSt{}));
 
-  // The deterministic workspace route stores dS tiles from shared memory with 16-byte moves.
-  using GmemCopydS = GmemTileCopy<Element, kThreads, kBlockN>;
-  static_assert(kBlockM % GmemCopydS::kRowsPerPass == 0,
-                "tile_m must be a multiple of the rows one pass of 16-byte copies covers (tile_n wide)");
+  // dS tiles to the workspace (deterministic workspace route) and bias tiles in: 16-byte copies.
+  using GmemCopydS = DsTileCopy<Element, kThreads, kBlockM, kBlockN>;
 
-  // Shared memory: kStages x (Q, dO), then K, V, then P and dS.
+  // Shared memory: kStages x (Q, dO), then K, V, then P and dS, then kStages bias tiles.
   static constexpr int kElemsQ = kBlockM * kDimQK;
   static constexpr int kElemsdO = kBlockM * kDimV;
   static constexpr int kElemsPdS = kBlockM * kBlockN;
-  static constexpr int kSmemBytes =
-      int(sizeof(Element)) * (kStages * (kElemsQ + kElemsdO) + kBlockN * (kDimQK + kDimV) + 2 * kElemsPdS);
+  static constexpr int kElemsBias = kBias ? kBlockM * kBlockN : 0;
+  static constexpr int kSmemBytes = int(sizeof(Element)) * (kStages * (kElemsQ + kElemsdO + kElemsBias) +
+                                                            kBlockN * (kDimQK + kDimV) + 2 * kElemsPdS);
 };
 
 // dQ = dS K for one query tile, over the dS tiles the main kernel wrote (deterministic workspace
@@ -118,9 +119,7 @@ struct DqTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimQK_, kBlockM_,
   using SmemLayoutK = typename SmemTile<Element, kBlockN, kDimQK>::Layout;
   using SmemLayoutKt = TransposedView<SmemLayoutK, kBlockN, kDimQK>;  // (d_qk, N)
   using SmemLayoutKtPlain = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
-  using GmemCopydS = GmemTileCopy<Element, kThreads, kBlockN>;
-  static_assert(kBlockM % GmemCopydS::kRowsPerPass == 0,
-                "tile_m must be a multiple of the rows one pass of 16-byte copies covers (tile_n wide)");
+  using GmemCopydS = DsTileCopy<Element, kThreads, kBlockM, kBlockN>;
 
   // Shared memory: kStages x (dS tile, K tile).
   static constexpr int kElemsdS = kBlockM * kBlockN;

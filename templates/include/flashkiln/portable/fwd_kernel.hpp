@@ -7,6 +7,7 @@
 
 #include <flashkiln/common.hpp>
 #include <flashkiln/params.hpp>
+#include <flashkiln/portable/bias.hpp>
 #include <flashkiln/portable/fwd_traits.hpp>
 #include <flashkiln/portable/masking.hpp>
 #include <flashkiln/portable/online_softmax.hpp>
@@ -56,6 +57,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
   Element* smem_q = reinterpret_cast<Element*>(smem);
   Element* smem_k = smem_q + T::kElemsQO;
   Element* smem_v = smem_k + T::kStages * T::kElemsK;
+  Element* smem_bias = smem_v + T::kStages * T::kElemsV;
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutQ{});
   Tensor sO = make_tensor(make_smem_ptr(smem_q), typename T::SmemLayoutO{});
   Tensor sK = make_tensor(make_smem_ptr(smem_k), typename T::SmemLayoutK{});  // stage 0
@@ -86,6 +88,18 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
     copy_rows<true>(load_v, tVgV(_, _, _, n_block), at_offset(tVsV, stage * T::kElemsV), tVcV,
                     p.seqlen_k - n_block * kBlockN);
   };
+  // The bias tile of this query tile and key tile n_block (one buffer; see the main loop).
+  Tensor sBias = make_tensor(make_smem_ptr(smem_bias), typename T::SmemLayoutBias{});
+  typename T::GmemCopyBias::AsyncLoad load_bias;
+  auto thr_load_bias = load_bias.get_thread_slice(tidx);
+  auto load_bias_tile = [&](int n_block) {
+    if constexpr (T::kBias) {
+      Tensor gBias = gmem_bias_tiles<kBlockM, kBlockN, Element>(p, batch, head)(_, _, m_block, n_block);
+      copy_rows_cols<true>(load_bias, thr_load_bias.partition_S(gBias), thr_load_bias.partition_D(sBias),
+                     thr_load_bias.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})), q_rows,
+                     p.seqlen_k - n_block * kBlockN);
+    }
+  };
 
   // ---- MMA partitions and shared -> register copies --------------------------------------------
   typename T::TiledMma tiled_mma;
@@ -108,6 +122,8 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
 
   // (row, col) of every score this thread holds, for masking.
   Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  Tensor tSsBias = thr_mma.partition_C(sBias);
+  const float inv_scale = 1.f / p.scale;
 
   constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
   OnlineSoftmax<kRows> softmax;
@@ -117,6 +133,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
     int n_block = n_blocks - 1;
     copy_rows<true>(load_qk, tQgQ, tQsQ, tQcQ, q_rows);
     load_k(n_block, 0);
+    load_bias_tile(n_block);
     if constexpr (T::kStages == 2) {
       load_v_tile(n_block, 0);
       cp_async_fence();
@@ -145,6 +162,18 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
 
       gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage * T::kElemsK), smem_copy_q,
                      smem_copy_k, thr_copy_q, thr_copy_k);
+      if constexpr (T::kBias) {
+        add_bias(acc_s, tSsBias, inv_scale);
+        if constexpr (T::kStages == 2) {
+          // One bias buffer: once every warp has read this tile, the next one streams in during
+          // the softmax and P V (the wait at the top of the next step covers it).
+          __syncthreads();
+          if (n_block > 0) {
+            load_bias_tile(n_block - 1);
+          }
+          cp_async_fence();
+        }
+      }
 
       if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, p.seqlen_k, causal_offset)) {
         mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * kBlockM, n_block * kBlockN, p.seqlen_k,
@@ -156,6 +185,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
         __syncthreads();  // V(n) has landed, and every warp is done reading K(n)
         if (n_block > 0) {
           load_k(n_block - 1, 0);
+          load_bias_tile(n_block - 1);  // this step's bias was read before the barrier above
           cp_async_fence();
         }
       }

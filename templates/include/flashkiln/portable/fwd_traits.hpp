@@ -14,7 +14,7 @@ namespace flashkiln::portable {
 using namespace cute;
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
-          Causal kCausal_>
+          Causal kCausal_, bool kBias_>
 struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -27,6 +27,7 @@ struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   // P V, V during Q K^T). 2: K and V double-buffered, a whole step ahead.
   static constexpr int kStages = kStages_;
   static constexpr Causal kCausal = kCausal_;
+  static constexpr bool kBias = kBias_;  // an additive score bias (bias.hpp), one tile buffer
 
   static_assert(cute::is_same_v<Element, cutlass::half_t> || cute::is_same_v<Element, cutlass::bfloat16_t>);
   static_assert(kStages == 1 || kStages == 2, "stages must be 1 or 2");
@@ -46,11 +47,15 @@ struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   using SmemLayoutVt = TransposedView<SmemLayoutV, kBlockN, kDimV>;
   using SmemLayoutVtPlain = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
 
-  // Shared memory: Q (reused for O after the main loop), then kStages x (K, V).
+  using SmemLayoutBias = typename SmemTile<Element, kBlockM, kBlockN>::Layout;
+  using GmemCopyBias = DsTileCopy<Element, kThreads, kBlockM, kBlockN>;
+
+  // Shared memory: Q (reused for O after the main loop), then kStages x (K, V), then the bias tile.
   static constexpr int kElemsQO = kBlockM * (kDimQK > kDimV ? kDimQK : kDimV);
   static constexpr int kElemsK = kBlockN * kDimQK;
   static constexpr int kElemsV = kBlockN * kDimV;
-  static constexpr int kSmemBytes = int(sizeof(Element)) * (kElemsQO + kStages * (kElemsK + kElemsV));
+  static constexpr int kElemsBias = kBias ? kBlockM * kBlockN : 0;
+  static constexpr int kSmemBytes = int(sizeof(Element)) * (kElemsQO + kStages * (kElemsK + kElemsV) + kElemsBias);
 };
 
 }  // namespace flashkiln::portable

@@ -70,6 +70,24 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, Src const
   }
 }
 
+// Copy the 16-byte pieces of a (CPY, CPY_ROWS, CPY_COLS) partition whose first element lies
+// below `row_limit` and left of `col_limit`; loads zero-fill the others.
+template <bool kZeroFillRest, class TiledCopy, class Src, class Dst, class Coord>
+__device__ __forceinline__ void copy_rows_cols(TiledCopy const& tiled_copy, Src const& src, Dst&& dst,
+                                               Coord const& coord, int row_limit, int col_limit) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(src); ++k) {
+      if (get<0>(coord(0, m, k)) < row_limit && get<1>(coord(0, m, k)) < col_limit) {
+        copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      } else if constexpr (kZeroFillRest) {
+        clear(dst(_, m, k));
+      }
+    }
+  }
+}
+
 // acc += A B with both operands in shared memory; the ldmatrix loads run one k-slice ahead of
 // the MMAs so that each MMA's operands are already in registers.
 template <class TiledMma, class Acc, class RegA, class RegB, class SmemA, class SmemB, class CopyA, class CopyB,

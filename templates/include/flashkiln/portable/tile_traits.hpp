@@ -39,6 +39,13 @@ struct GmemTileCopy {
                                         ValueLayout{}));
 };
 
+// 16-byte copies of (kRows, kCols) score-shaped tiles (dS, bias) between global and shared memory.
+template <class Element, int kThreads, int kRows, int kCols>
+struct DsTileCopy : GmemTileCopy<Element, kThreads, kCols> {
+  static_assert(kRows % GmemTileCopy<Element, kThreads, kCols>::kRowsPerPass == 0,
+                "tile_m must be a multiple of the rows one pass of 16-byte copies covers (tile_n wide)");
+};
+
 // mma.sync.m16n8k16 with fp32 accumulators for the element type.
 template <class Element>
 using Sm80MmaAtom = cute::conditional_t<cute::is_same_v<Element, cutlass::half_t>, SM80_16x8x16_F32F16F16F32_TN,

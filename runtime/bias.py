@@ -1,0 +1,95 @@
+"""The additive score bias (`attn_mask`): checks, the layout the kernels read, and dBias.
+
+Scores are `scale * q kᵀ + bias`. The bias broadcasts to (B, H_q, S_q, S_k) like
+`F.scaled_dot_product_attention`'s attn_mask: broadcast dims become zero strides, never copies;
+a boolean mask (True keeps) becomes a 0/-inf bias of its own shape. The kernels read the key dim
+in 16-byte pieces, so rows must be 16-byte aligned and readable up to the next 16 bytes: a bias
+that is not is copied into padded rows first. dBias is the score gradient dS, which the workspace
+route already keeps in a dense (B, H_q, S_q, S_k) layout: a full bias's gradient is a view of it,
+a broadcast one its sum over the broadcast dims (a fixed-order torch reduction, so deterministic).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import inputs
+from .launch import ceil_div
+
+_PIECE_BYTES = 16
+
+
+@dataclass(frozen=True)
+class KernelBias:
+    tensor: torch.Tensor  # (B, H_q, S_q, S_k) view the kernels read: zero strides where it broadcasts
+    shape: tuple[int, ...]  # the caller's shape: dBias comes back in it
+    broadcast_dims: tuple[int, ...]  # dims of (B, H_q, S_q, S_k) that dBias sums over
+
+    def stride_fields(self) -> dict[str, int]:
+        return inputs.stride_fields("bias", self.tensor)
+
+
+def _readable_in_pieces(t: torch.Tensor) -> bool:
+    """16-byte pieces of every row lie inside t's storage (the last piece may run past S_k)."""
+    if not inputs.is_kernel_layout(t):
+        return False
+    elems = _PIECE_BYTES // t.element_size()
+    last_row_start = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape[:-1], t.stride()[:-1]))
+    row_end = last_row_start + ceil_div(t.shape[-1], elems) * elems
+    return row_end * t.element_size() <= t.untyped_storage().nbytes()
+
+
+def prepare_bias(bias: torch.Tensor, q: torch.Tensor, seqlen_k: int) -> KernelBias:
+    """Check `bias` against q (B, H_q, S_q, d) and S_k and give the view the kernels read."""
+    full = (*q.shape[:3], seqlen_k)
+    if not isinstance(bias, torch.Tensor):
+        inputs.fail(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if bias.device != q.device:
+        inputs.fail(f"bias is on {bias.device}, the inputs on {q.device}")
+    if bias.dtype != torch.bool and bias.dtype != q.dtype:
+        inputs.fail(f"bias must be {q.dtype} (the inputs' dtype) or torch.bool, got {bias.dtype}")
+    if bias.dim() > 4 or any(n not in (1, f) for n, f in zip(bias.shape[::-1], full[::-1])):
+        inputs.fail(f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H_q, S_q, S_k) = {full}")
+    shape = tuple(bias.shape)
+    if bias.dtype == torch.bool:
+        bias = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
+    bias4 = bias[(None,) * (4 - bias.dim())]
+    broadcast = _broadcast_dims(shape, full)
+    if bias4.shape[3] != full[3]:
+        bias4 = bias4.expand(*bias4.shape[:3], full[3])  # a per-row constant: materialized below
+    if not _readable_in_pieces(bias4) or bias4.stride(3) != 1:
+        elems = _PIECE_BYTES // bias4.element_size()
+        padded = torch.empty((*bias4.shape[:3], ceil_div(full[3], elems) * elems), dtype=q.dtype, device=q.device)
+        bias4 = padded[..., :full[3]].copy_(bias4)
+    return KernelBias(bias4.expand(full), shape, broadcast)
+
+
+def ds_row_elements(seqlen_k: int) -> int:
+    """Elements per row of the dS workspace: S_k rounded up to whole 16-byte pieces (bwd_tiles.hpp)."""
+    return ceil_div(seqlen_k, 8) * 8
+
+
+def bias_gradient(workspace: torch.Tensor, bias: KernelBias) -> torch.Tensor:
+    """dBias in the bias's own shape from the workspace's dense dS: a view of it for a full bias,
+    else its sum over the broadcast dims."""
+    b, hq, sq, sk = bias.tensor.shape
+    ds = workspace.view(b, hq, sq, ds_row_elements(sk))[..., :sk]
+    if bias.broadcast_dims:
+        ds = ds.sum(dim=bias.broadcast_dims, keepdim=True, dtype=torch.float32).to(workspace.dtype)
+    return ds.reshape(bias.shape)
+
+
+def empty_bias_gradient(bias: torch.Tensor, q: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """An uninitialized tensor with the shape and strides bias_gradient gives (for the custom op's fake)."""
+    full = (*q.shape[:3], seqlen_k)
+    if _broadcast_dims(tuple(bias.shape), full):
+        return q.new_empty(bias.shape)
+    rows = q.new_empty((*full[:3], ds_row_elements(seqlen_k)))
+    return rows[..., :seqlen_k].reshape(bias.shape)
+
+
+def _broadcast_dims(shape: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, ...]:
+    """Dims of (B, H_q, S_q, S_k) along which a bias of `shape` broadcasts."""
+    shape4 = (1,) * (4 - len(shape)) + shape
+    return tuple(i for i in range(4) if shape4[i] == 1 and full[i] != 1)

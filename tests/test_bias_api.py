@@ -1,0 +1,114 @@
+"""The additive bias on the CPU: checks, the layout the kernels read, dBias from workspace tiles,
+and the backward's kernel and route choice with a bias."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashkiln
+from flashkiln.backward import plan_backward
+from flashkiln.bias import bias_gradient, ds_row_elements, empty_bias_gradient, prepare_bias
+from flashkiln.dq_routes import ROUTE_ENV, WORKSPACE_BUDGET_ENV
+from test_backward_api import CAUSAL, H200_MEMORY, bwd_descriptor, make_registry, tensors
+
+
+def q_like(b=2, hq=4, sq=100, d=64):
+    return torch.randn(b, hq, sq, d, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape,broadcast", [
+    ((2, 4, 100, 64), ()), ((1, 4, 100, 64), (0,)), ((2, 1, 100, 64), (1,)), ((100, 64), (0, 1)),
+    ((2, 1, 1, 64), (1, 2)), ((4, 100, 64), (0,)),
+])
+def test_broadcast_dims_become_zero_strides_without_copies(shape, broadcast):
+    bias = torch.randn(shape, dtype=torch.bfloat16)
+    kb = prepare_bias(bias, q_like(), 64)
+    assert kb.tensor.shape == (2, 4, 100, 64) and kb.broadcast_dims == broadcast and kb.shape == shape
+    assert kb.tensor.data_ptr() == bias.data_ptr()  # read in place
+    assert all(kb.tensor.stride(d) == 0 for d in broadcast if d < 3) and kb.tensor.stride(3) == 1
+    assert torch.equal(kb.tensor, bias.expand(2, 4, 100, 64))
+
+
+def test_rows_that_are_not_whole_16_byte_pieces_are_padded():
+    bias = torch.randn(2, 4, 100, 61, dtype=torch.bfloat16)
+    kb = prepare_bias(bias, q_like(), 61)
+    assert kb.tensor.stride(2) == 64 and torch.equal(kb.tensor, bias)
+    # A bias broadcast over keys is a per-row constant, materialized (and summed in dBias).
+    kb = prepare_bias(torch.randn(1, 1, 100, 1, dtype=torch.bfloat16), q_like(), 64)
+    assert kb.tensor.stride(3) == 1 and kb.broadcast_dims == (0, 1, 3)
+
+
+def test_a_boolean_mask_becomes_zero_or_minus_infinity():
+    mask = torch.rand(100, 64) < 0.5
+    kb = prepare_bias(mask, q_like(), 64)
+    assert kb.tensor.dtype == torch.bfloat16
+    assert torch.equal(torch.isneginf(kb.tensor[0, 0]), ~mask) and (kb.tensor[0, 0][mask] == 0).all()
+
+
+@pytest.mark.parametrize("bias,match", [
+    (torch.randn(100, 64), "must be torch.bfloat16"),
+    (torch.randn(3, 4, 100, 64, dtype=torch.bfloat16), "does not broadcast"),
+    (torch.randn(100, 65, dtype=torch.bfloat16), "does not broadcast"),
+    (torch.randn(1, 2, 4, 100, 64, dtype=torch.bfloat16), "does not broadcast"),
+    ("mask", "torch.Tensor or None"),
+])
+def test_bad_biases_are_typed_errors_before_any_launch(bias, match):
+    q = q_like()
+    with pytest.raises(flashkiln.InvalidInputError, match=match):
+        flashkiln.attention_forward(q, q, q, bias=bias)
+
+
+def test_dbias_is_the_dense_workspace_or_its_sum_over_broadcast_dims():
+    b, h, sq, sk = 2, 3, 70, 150
+    ds = torch.randn(b, h, sq, sk).to(torch.bfloat16)
+    # dS as the kernels lay it out: dense rows padded to whole 16-byte pieces (150 -> 152); the
+    # padding holds NaN here, which must not leak into dBias.
+    rows = torch.full((b, h, sq, ds_row_elements(sk)), float("nan"), dtype=torch.bfloat16)
+    rows[..., :sk] = ds
+    workspace = rows.view(-1)
+    q = torch.empty(b, h, sq, 64, dtype=torch.bfloat16)
+    for shape, dims in (((b, h, sq, sk), ()), ((1, h, sq, sk), (0,)), ((sq, sk), (0, 1)), ((b, 1, 1, sk), (1, 2))):
+        bias = torch.zeros(shape, dtype=torch.bfloat16)
+        got = bias_gradient(workspace, prepare_bias(bias, q, sk))
+        expected = ds.float().sum(dims, keepdim=True).to(torch.bfloat16) if dims else ds
+        assert got.shape == shape and torch.equal(got, expected.reshape(shape))
+        # The custom op's fake gives the same strides, and a full bias's gradient is a view.
+        assert empty_bias_gradient(bias, q, sk).stride() == got.stride()
+    assert bias_gradient(workspace, prepare_bias(torch.zeros(b, h, sq, sk, dtype=torch.bfloat16), q, sk)).data_ptr() \
+        == workspace.data_ptr()
+
+
+@pytest.fixture
+def registry(tmp_path):
+    ds = [bwd_descriptor("bwd_dq", c) for c in CAUSAL] + [bwd_descriptor("bwd", c, True, bias="additive") for c in CAUSAL]
+    return make_registry(tmp_path, ds, dims=(128,))
+
+
+def plan(registry, causal="none", bias_grad=True, deterministic=False):
+    dout, q, k, v, out, lse = tensors()
+    kb = prepare_bias(torch.randn(1, 4, 100, 300, dtype=torch.bfloat16), q, 300)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    return plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), H200_MEMORY,
+                         registry, kb, bias_grad)
+
+
+def test_a_biased_backward_runs_the_deterministic_bias_kernel_on_the_workspace_route(registry, monkeypatch):
+    monkeypatch.delenv(ROUTE_ENV, raising=False)
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "0")  # dBias needs the workspace whatever the budget
+    p = plan(registry, causal="top_left")
+    main = p.launches[1]
+    assert p.route == "workspace" and main.entry.descriptor["bias"] == "additive"
+    assert main.entry.descriptor["deterministic"] is True
+    # S_k = 300 rows padded to whole 16-byte pieces (304); batch broadcast as a zero stride.
+    assert main.params.bias != 0 and main.params.bias_head_stride == 100 * 304 and main.params.bias_batch_stride == 0
+    workspace = p.workspaces[3]
+    assert not workspace.any(), "tiles no key tile visits are read by dBias: zeroed under a causal mask"
+    # Without dBias, beyond the budget: the ordered route, still the deterministic bias kernel.
+    p = plan(registry, bias_grad=False)
+    assert p.route == "ordered" and p.launches[1].entry.descriptor["bias"] == "additive"
+
+
+def test_a_forced_route_that_cannot_give_dbias_is_refused(registry, monkeypatch):
+    monkeypatch.setenv(ROUTE_ENV, "ordered")
+    with pytest.raises(flashkiln.UnsupportedError, match="dBias"):
+        plan(registry)

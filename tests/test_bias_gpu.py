@@ -1,0 +1,194 @@
+"""Additive bias (attn_mask) on the GPU: forward and backward against the fp32 reference, dBias in
+each broadcast shape, boolean masks, determinism of dBias, rows a bias masks out entirely.
+
+Inputs are fresh random tensors from a printed seed; outputs go into NaN-poisoned buffers where
+the API takes them.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import flashkiln
+from reference import attention_grad_reference, attention_reference, check_grads_against, fa_style_check
+
+pytestmark = pytest.mark.gpu
+
+B, HQ, HKV = 2, 6, 2
+CAUSAL = (None, "top_left", "bottom_right")
+# S_k = 301 is no multiple of 8: the bias rows are then copied into padded rows.
+SEQLENS = [(129, 200), (200, 129), (113, 301)]
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+# Bias shapes as (batch, heads, rows, cols) with 1 where it broadcasts; "2d" is (S_q, S_k).
+SHAPES = {"full": "bhqk", "heads": "1hqk", "batch": "b1qk", "shared": "11qk", "2d": "qk", "keys": "b11k"}
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_reference():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+
+
+def _seed(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _repro(test: str, **kw) -> str:
+    return f"repro: pytest -q 'tests/test_bias_gpu.py::{test}'  ({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
+
+
+def _inputs(seed: int, sq: int, sk: int, dims=(128, 128), dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dqk, dv = dims
+    q = torch.randn(B, HQ, sq, dqk, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(B, HKV, sk, dqk, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(B, HKV, sk, dv, device="cuda", dtype=dtype, generator=gen)
+    dout = torch.randn(B, HQ, sq, dv, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v, dout, gen
+
+
+def _bias(kind: str, sq: int, sk: int, gen: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:
+    sizes = {"b": B, "h": HQ, "q": sq, "k": sk, "1": 1}
+    shape = tuple(sizes[c] for c in SHAPES[kind])
+    return 2 * torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+
+
+def _forward_check(q, k, v, causal, bias, repro):
+    out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias)
+    ref32 = attention_reference(q, k, v, causal, None, torch.float32, bias)
+    reflp = attention_reference(q, k, v, causal, None, q.dtype, bias)
+    fa_style_check("out", out, ref32.out, reflp.out, 2, repro)
+    fa_style_check("lse", lse, ref32.lse, reflp.lse, 2, repro)
+    assert (out[ref32.empty_rows] == 0).all(), f"rows that see no key are not 0\n{repro}"
+
+
+def _backward_check(q, k, v, dout, causal, bias, bias_grad, repro):
+    out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias)
+    grads = flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, bias=bias, bias_grad=bias_grad)
+    assert len(grads) == (4 if bias_grad else 3)
+    check_grads_against(grads, attention_grad_reference(q, k, v, dout, causal, None, torch.float32, bias),
+                        attention_grad_reference(q, k, v, dout, causal, None, q.dtype, bias), repro)
+    return grads
+
+
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("kind", SHAPES)
+def test_forward_every_bias_shape(kind, causal, sq, sk):
+    seed = _seed("fwd", kind, causal, sq, sk)
+    q, k, v, _, gen = _inputs(seed, sq, sk)
+    _forward_check(q, k, v, causal, _bias(kind, sq, sk, gen),
+                   _repro("test_forward_every_bias_shape", seed=seed, kind=kind, causal=causal, sq=sq, sk=sk))
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_forward_head_dims_and_dtypes(dims, dtype):
+    seed = _seed("fwd-dims", dims, dtype)
+    q, k, v, _, gen = _inputs(seed, 333, 1000, dims, dtype)
+    _forward_check(q, k, v, "top_left", _bias("full", 333, 1000, gen, dtype),
+                   _repro("test_forward_head_dims_and_dtypes", seed=seed, dims=dims, dtype=dtype))
+
+
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("kind", SHAPES)
+@pytest.mark.parametrize("bias_grad", [True, False], ids=["dbias", "no-dbias"])
+def test_backward_every_bias_shape(bias_grad, kind, causal, sq, sk):
+    seed = _seed("bwd", kind, causal, sq, sk)
+    q, k, v, dout, gen = _inputs(seed, sq, sk)
+    _backward_check(q, k, v, dout, causal, _bias(kind, sq, sk, gen), bias_grad,
+                    _repro("test_backward_every_bias_shape", seed=seed, kind=kind, causal=causal, sq=sq, sk=sk,
+                           bias_grad=bias_grad))
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
+def test_backward_head_dims(dims):
+    seed = _seed("bwd-dims", dims)
+    q, k, v, dout, gen = _inputs(seed, 333, 1000, dims)
+    _backward_check(q, k, v, dout, "bottom_right", _bias("batch", 333, 1000, gen), True,
+                    _repro("test_backward_head_dims", seed=seed, dims=dims))
+
+
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_boolean_masks_keep_where_true(causal):
+    seed = _seed("bool", causal)
+    q, k, v, dout, gen = _inputs(seed, 200, 264)
+    mask = torch.rand((B, 1, 200, 264), device="cuda", generator=gen) < 0.7
+    mask[:, :, 5] = False  # rows that see no key at all
+    repro = _repro("test_boolean_masks_keep_where_true", seed=seed, causal=causal)
+    _forward_check(q, k, v, causal, mask, repro)
+    dq, dk, dv = _backward_check(q, k, v, dout, causal, mask, False, repro)
+    assert (dq[:, :, 5] == 0).all()
+    with pytest.raises(flashkiln.InvalidInputError, match="no gradient"):
+        out, lse = flashkiln.attention_forward(q, k, v, bias=mask)
+        flashkiln.attention_backward(dout, q, k, v, out, lse, bias=mask, bias_grad=True)
+
+
+@pytest.mark.parametrize("kind", ["full", "shared", "keys"])
+def test_dbias_is_bitwise_deterministic(kind):
+    """20 runs give identical dq, dk, dv and dbias, also where dbias sums over broadcast dims."""
+    seed = _seed("det", kind)
+    q, k, v, dout, gen = _inputs(seed, 500, 700)
+    bias = _bias(kind, 500, 700, gen)
+    out, lse = flashkiln.attention_forward(q, k, v, causal="top_left", bias=bias)
+    first = flashkiln.attention_backward(dout, q, k, v, out, lse, causal="top_left", bias=bias, bias_grad=True)
+    for _ in range(19):
+        again = flashkiln.attention_backward(dout, q, k, v, out, lse, causal="top_left", bias=bias, bias_grad=True)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias"), first, again):
+            assert torch.equal(a, b), f"{name} differs between runs (seed {seed})"
+
+
+def test_rows_masked_out_by_the_bias():
+    """A bias row of -inf: O = 0, LSE = -inf, zero dq and dbias rows, no NaN anywhere."""
+    seed = _seed("inf-rows")
+    q, k, v, dout, gen = _inputs(seed, 150, 260)
+    bias = _bias("full", 150, 260, gen)
+    bias[:, :, 7] = float("-inf")
+    bias[1, 3, 100:120] = float("-inf")
+    out, lse = flashkiln.attention_forward(q, k, v, bias=bias)
+    assert (out[:, :, 7] == 0).all() and torch.isneginf(lse[:, :, 7]).all()
+    dq, dk, dv, dbias = _backward_check(q, k, v, dout, None, bias, True,
+                                        _repro("test_rows_masked_out_by_the_bias", seed=seed))
+    assert (dq[:, :, 7] == 0).all() and (dbias[:, :, 7] == 0).all()
+    assert not any(torch.isnan(t).any() for t in (out, dq, dk, dv, dbias))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_attn_mask_gradient_through_autograd(is_causal):
+    seed = _seed("sdpa", is_causal)
+    q, k, v, dout, gen = _inputs(seed, 256, 320)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    bias = _bias("heads", 256, 320, gen).requires_grad_()
+    out = flashkiln.scaled_dot_product_attention(*leaves, attn_mask=bias, is_causal=is_causal, enable_gqa=True)
+    out.backward(dout)
+    grads = (*(t.grad for t in leaves), bias.grad)
+    causal = "top_left" if is_causal else None
+    check_grads_against(grads, attention_grad_reference(q, k, v, dout, causal, None, torch.float32, bias),
+                        attention_grad_reference(q, k, v, dout, causal, None, q.dtype, bias),
+                        _repro("test_sdpa_attn_mask_gradient_through_autograd", seed=seed, is_causal=is_causal))
+    # Without requires_grad on the mask, no dbias comes back (and none is computed).
+    frozen = bias.detach()
+    out = flashkiln.scaled_dot_product_attention(*leaves, attn_mask=frozen, is_causal=is_causal, enable_gqa=True)
+    out.backward(dout)
+    assert frozen.grad is None
+
+
+def test_bias_ops_under_torch_compile():
+    q, k, v, dout, gen = _inputs(_seed("compile"), 128, 192)
+    bias = _bias("batch", 128, 192, gen).requires_grad_()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step(q, k, v, bias):
+        return flashkiln.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    compiled(*leaves, bias).backward(dout)
+    got = (*(t.grad for t in leaves), bias.grad)
+    for t in (*leaves, bias):
+        t.grad = None
+    step(*leaves, bias).backward(dout)
+    for a, b in zip(got, (*(t.grad for t in leaves), bias.grad)):
+        assert torch.equal(a, b)
