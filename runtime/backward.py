@@ -14,6 +14,7 @@ from .launch import KernelLaunch, Target, ceil_div, request, run
 from .manifest import KernelEntry
 from .params import BwdParams
 from .registry import KernelRegistry, default_registry
+from .sinks import prepare_sink, sink_gradient
 
 log = logging.getLogger("flashkiln")
 
@@ -168,13 +169,16 @@ def _check_gradient_buffer(name: str, buffer: torch.Tensor, like: torch.Tensor) 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, *, causal: str | None = None, scale: float | None = None,
-                       bias: torch.Tensor | None = None, bias_grad: bool = False, deterministic: bool | None = None,
+                       bias: torch.Tensor | None = None, bias_grad: bool = False, sink: torch.Tensor | None = None,
+                       sink_grad: bool = False, deterministic: bool | None = None,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
                        registry: KernelRegistry | None = None) -> tuple[torch.Tensor, ...]:
-    """Gradients (dq, dk, dv) of attention_forward's `out` for the upstream gradient `dout`, and
-    dbias after them when `bias_grad` (in the bias's own shape, summed over its broadcast dims).
+    """Gradients (dq, dk, dv) of attention_forward's `out` for the upstream gradient `dout`, then
+    dbias when `bias_grad` (in the bias's own shape, summed over its broadcast dims), then dsink
+    when `sink_grad`.
 
-    q, k, v, causal, scale and bias as given to the forward; out and lse are what it returned.
+    q, k, v, causal, scale, bias and sink as given to the forward; out and lse are what it
+    returned (with sinks, lse includes them, and the kernels need nothing else).
     With a bias, the backward runs a deterministic route, and dbias is deterministic too.
     deterministic: bitwise-reproducible dq (dk, dv are always); default
     torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes):
@@ -204,10 +208,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     kernel_bias = None if bias is None else prepare_bias(bias, q, k.shape[2])
     if bias_grad and bias.dtype == torch.bool:
         inputs.fail("a boolean mask has no gradient: pass bias_grad=False")
+    if sink_grad and sink is None:
+        inputs.fail("sink_grad=True needs the sink")
+    if sink is not None:
+        prepare_sink(sink, q)  # checks only: the kernels read the forward's sink-inclusive lse
     b, hq, sq, _ = q.shape
     if b * hq == 0 or sq == 0 or k.shape[2] == 0:
         # No query or no key: every gradient is zero (and possibly empty).
         zeros = (torch.zeros(kernel_bias.shape, dtype=q.dtype, device=q.device),) if bias_grad else ()
+        zeros += (torch.zeros_like(sink),) if sink_grad else ()
         return dq.zero_(), dk.zero_(), dv.zero_(), *zeros
     q, k, v, out, dout = (inputs.kernel_layout(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
@@ -225,4 +234,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         group = hq // hkv
         dk.copy_(plan.dk_accum.view(b, hkv, group, *plan.dk_accum.shape[2:]).sum(2))
         dv.copy_(plan.dv_accum.view(b, hkv, group, *plan.dv_accum.shape[2:]).sum(2))
-    return (dq, dk, dv, dbias) if bias_grad else (dq, dk, dv)
+    extra = (dbias,) if bias_grad else ()
+    if sink_grad:
+        extra += (sink_gradient(sink, lse, plan.workspaces[0]),)
+    return (dq, dk, dv, *extra)

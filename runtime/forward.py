@@ -10,11 +10,12 @@ from .bias import KernelBias, prepare_bias
 from .launch import KernelLaunch, Target, ceil_div, request, run
 from .params import FwdParams
 from .registry import KernelRegistry, default_registry
+from .sinks import prepare_sink
 
 
 def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  causal: str, scale: float, bias: KernelBias | None, capability: tuple[int, int],
-                 registry: KernelRegistry) -> KernelLaunch:
+                 registry: KernelRegistry, sink: torch.Tensor | None = None) -> KernelLaunch:
     """Choose the kernel and pack its parameters; q, k, v, out, lse and bias are already checked."""
     b, hq, sq, dqk = q.shape
     _, hkv, sk, dv = v.shape
@@ -22,7 +23,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                           capability)
     params = FwdParams(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
-        bias=0 if bias is None else bias.tensor.data_ptr(),
+        bias=0 if bias is None else bias.tensor.data_ptr(), sink=0 if sink is None else sink.data_ptr(),
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
         **inputs.stride_fields("o", out), **(bias.stride_fields() if bias is not None else {}),
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk,
@@ -32,7 +33,8 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,
-                      scale: float | None = None, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      scale: float | None = None, bias: torch.Tensor | None = None,
+                      sink: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None,
                       registry: KernelRegistry | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward: softmax(scale * q kᵀ + bias, causal mask) v and its log-sum-exp.
@@ -42,7 +44,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     of H_kv (GQA/MQA). causal: None, "top_left" (key j visible to query i iff j <= i) or
     "bottom_right" (iff j <= i + S_k - S_q). scale defaults to 1/sqrt(d_qk). bias: an additive
     score bias broadcastable to (B, H_q, S_q, S_k) in the inputs' dtype, or a bool mask (True
-    keeps), as F.scaled_dot_product_attention's attn_mask (flashkiln.bias).
+    keeps), as F.scaled_dot_product_attention's attn_mask (flashkiln.bias). sink: (H_q,) sink logits
+    that join each row's softmax denominator; the LSE includes them (flashkiln.sinks).
     Returns out (B, H_q, S_q, d_v), in q's memory order, and lse (B, H_q, S_q) in fp32 (natural
     log; -inf for a query that sees no key, whose output row is 0). `out` and `lse` may be given
     preallocated. No autograd here: see flashkiln.scaled_dot_product_attention.
@@ -50,6 +53,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     inputs.check_qkv(q, k, v)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
     kernel_bias = None if bias is None else prepare_bias(bias, q, k.shape[2])
+    kernel_sink = None if sink is None else prepare_sink(sink, q)
     if q.device.type != "cuda":
         inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
     d_v = v.shape[3]
@@ -62,5 +66,5 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     registry = registry or default_registry()
     target = Target.of(q)
     run(registry, target, [plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias, target.capability,
-                                        registry)])
+                                        registry, kernel_sink)])
     return out, lse

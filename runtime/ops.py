@@ -25,14 +25,15 @@ def _causal_arg(causal: str) -> Optional[str]:
 
 @torch.library.custom_op("flashkiln::attention_forward", mutates_args=())
 def attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                         causal: str, scale: float, deterministic: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+                         sink: Optional[torch.Tensor], causal: str, scale: float,
+                         deterministic: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); `deterministic` is only carried to the backward."""
-    out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), scale=scale, bias=bias)
+    out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), scale=scale, bias=bias, sink=sink)
     return out, lse
 
 
 @attention_forward_op.register_fake
-def _(q, k, v, bias, causal, scale, deterministic):
+def _(q, k, v, bias, sink, causal, scale, deterministic):
     checks.check_qkv(q, k, v)
     return checks.empty_in_memory_order(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -40,34 +41,39 @@ def _(q, k, v, bias, causal, scale, deterministic):
 @torch.library.custom_op("flashkiln::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor], bias_grad: bool,
-                          causal: str, scale: float, deterministic: Optional[bool]
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dbias); dbias is an empty tensor unless `bias_grad`."""
-    grads = attention_backward(dout, q, k, v, out, lse, causal=_causal_arg(causal), scale=scale, bias=bias,
-                               bias_grad=bias_grad, deterministic=deterministic)
-    return grads if bias_grad else (*grads, q.new_empty(0))
+                          sink: Optional[torch.Tensor], sink_grad: bool, causal: str, scale: float,
+                          deterministic: Optional[bool]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias, dsink); dbias and dsink are empty tensors unless asked for."""
+    dq, dk, dv, *extra = attention_backward(dout, q, k, v, out, lse, causal=_causal_arg(causal), scale=scale,
+                                            bias=bias, bias_grad=bias_grad, sink=sink, sink_grad=sink_grad,
+                                            deterministic=deterministic)
+    dbias = extra.pop(0) if bias_grad else q.new_empty(0)
+    dsink = extra.pop(0) if sink_grad else q.new_empty(0)
+    return dq, dk, dv, dbias, dsink
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, bias, bias_grad, causal, scale, deterministic):
+def _(dout, q, k, v, out, lse, bias, bias_grad, sink, sink_grad, causal, scale, deterministic):
     dbias = empty_bias_gradient(bias, q, k.shape[2]) if bias_grad else q.new_empty(0)
-    return (*(checks.empty_gradient_like(t) for t in (q, k, v)), dbias)
+    dsink = sink.new_empty(sink.shape) if sink_grad else q.new_empty(0)
+    return (*(checks.empty_gradient_like(t) for t in (q, k, v)), dbias, dsink)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, causal, scale, deterministic = inputs
+    q, k, v, bias, sink, causal, scale, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, bias, out, lse)
+    ctx.save_for_backward(q, k, v, bias, sink, out, lse)
     ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, bias, out, lse = ctx.saved_tensors
-    bias_grad = bool(ctx.needs_input_grad[3])
+    q, k, v, bias, sink, out, lse = ctx.saved_tensors
+    bias_grad, sink_grad = bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])
     # The LSE output is a statistic for the backward, not differentiable here.
-    dq, dk, dv, dbias = attention_backward_op(dout, q, k, v, out, lse, bias, bias_grad, ctx.causal, ctx.scale,
-                                              ctx.deterministic)
-    return dq, dk, dv, dbias if bias_grad else None, None, None, None
+    dq, dk, dv, dbias, dsink = attention_backward_op(dout, q, k, v, out, lse, bias, bias_grad, sink, sink_grad,
+                                                     ctx.causal, ctx.scale, ctx.deterministic)
+    return dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None, None, None, None
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -76,7 +82,8 @@ attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
-                                 *, deterministic: Optional[bool] = None) -> torch.Tensor:
+                                 *, deterministic: Optional[bool] = None,
+                                 sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, differentiable.
 
     Supported: (N, H, L, E) or (N, L, E) inputs, attn_mask (a bool mask, True keeps, or an additive
@@ -85,7 +92,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     be combined with attn_mask), scale, enable_gqa. Not supported (a clear error): dropout_p > 0.
     deterministic (flashkiln's own, keyword only) picks the bitwise-reproducible backward; by
     default it follows torch.are_deterministic_algorithms_enabled() when the backward runs; with
-    an attn_mask the backward is always deterministic.
+    an attn_mask the backward is always deterministic. sink (flashkiln's own, keyword only): (H,)
+    learned sink logits that join each row's softmax denominator (gpt-oss), differentiable.
     """
     if dropout_p != 0.0:
         raise UnsupportedError(f"flashkiln.scaled_dot_product_attention: dropout_p={dropout_p} is not supported "
@@ -101,6 +109,6 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise InvalidInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
                                 "for grouped-query attention")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    out, _ = attention_forward_op(query, key, value, attn_mask, "top_left" if is_causal else "none", scale,
+    out, _ = attention_forward_op(query, key, value, attn_mask, sink, "top_left" if is_causal else "none", scale,
                                   deterministic)
     return out.squeeze(1) if three_d else out

@@ -22,6 +22,7 @@ class FwdParams(ctypes.Structure):
         ("o", ctypes.c_uint64),
         ("lse", ctypes.c_uint64),
         ("bias", ctypes.c_uint64),
+        ("sink", ctypes.c_uint64),
         # Strides in elements; the head dim (the key dim for the bias) is always contiguous.
         ("q_batch_stride", ctypes.c_int64),
         ("q_head_stride", ctypes.c_int64),

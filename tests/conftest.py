@@ -14,6 +14,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference.py and friends
 
 
+@pytest.fixture(autouse=True)
+def _exact_fp32_reference():
+    """REF32 (shared/CONVENTIONS.md) must really be fp32: no TF32 in the reference's matmuls."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+
+
 def _gpu_unavailable_reason() -> str | None:
     try:
         import torch

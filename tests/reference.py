@@ -2,9 +2,20 @@
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
+
+
+def seed_of(*parts: object) -> int:
+    """A test case's input seed, derived from its parameters (stable across runs and machines)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def repro_line(file: str, test: str, **kw) -> str:
+    """How to rerun one failing case, printed with every assertion message."""
+    return f"repro: pytest -q 'tests/{file}::{test}'  ({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
 
 
 def visible_mask(sq: int, sk: int, causal: str | None, device: torch.device) -> torch.Tensor | None:
@@ -34,7 +45,8 @@ def as_additive(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None, scale: float | None,
-                        compute_dtype: torch.dtype, bias: torch.Tensor | None = None) -> Reference:
+                        compute_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                        sink: torch.Tensor | None = None) -> Reference:
     """softmax(scale q kᵀ + bias) v computed in `compute_dtype` (fp32 for REF32, the input dtype for
     REFLP); `bias` broadcasts to the scores, a bool mask keeps where True.
 
@@ -51,14 +63,23 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     mask = visible_mask(q.shape[2], k.shape[2], causal, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores.detach().float(), dim=-1)
-    empty = torch.isneginf(lse) if k.shape[2] else torch.ones_like(lse, dtype=torch.bool)
+    keys_lse = torch.logsumexp(scores.detach().float(), dim=-1)
+    empty = torch.isneginf(keys_lse) if k.shape[2] else torch.ones_like(keys_lse, dtype=torch.bool)
     # A row that sees nothing gets finite scores before the softmax (no NaN, also in autograd) and
     # its output is then zeroed, which zeroes its gradients too.
-    probs = torch.softmax(scores.masked_fill(empty[..., None], 0.0), dim=-1)
+    scores = scores.masked_fill(empty[..., None], 0.0)
+    if sink is not None:
+        # The sink is one more column of the softmax, with no value (dropped after it).
+        column = sink.to(compute_dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        lse = torch.logsumexp(torch.cat([scores.detach().float().masked_fill(empty[..., None], float("-inf")),
+                                         column.detach().float()], dim=-1), dim=-1)
+        probs = probs.masked_fill(empty[..., None], 0.0)
+        return Reference(torch.matmul(probs, v), lse, empty)
+    probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v)
     out = out.masked_fill(empty[..., None], 0.0)
-    lse = lse.masked_fill(empty, float("-inf"))
+    lse = keys_lse.masked_fill(empty, float("-inf"))
     return Reference(out, lse, empty)
 
 
@@ -68,21 +89,23 @@ class GradReference:
     dk: torch.Tensor
     dv: torch.Tensor
     dbias: torch.Tensor | None = None  # in the bias's shape, when a float bias was given
+    dsink: torch.Tensor | None = None
 
 
 def attention_grad_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                              causal: str | None, scale: float | None, compute_dtype: torch.dtype,
-                             bias: torch.Tensor | None = None) -> GradReference:
+                             bias: torch.Tensor | None = None, sink: torch.Tensor | None = None) -> GradReference:
     """dq, dk, dv (and dbias for a float bias) of attention_reference(...).out for upstream gradient
     `dout` (autograd in `compute_dtype`)."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
     bias_leaf = None
     if bias is not None:
         bias_leaf = bias if bias.dtype == torch.bool else bias.detach().to(compute_dtype).requires_grad_()
-    ref = attention_reference(*leaves, causal, scale, compute_dtype, bias_leaf)
+    sink_leaf = None if sink is None else sink.detach().to(compute_dtype).requires_grad_()
+    ref = attention_reference(*leaves, causal, scale, compute_dtype, bias_leaf, sink_leaf)
     ref.out.backward(dout.to(compute_dtype))
     dbias = bias_leaf.grad if bias_leaf is not None and bias_leaf.dtype != torch.bool else None
-    return GradReference(*(t.grad for t in leaves), dbias)
+    return GradReference(*(t.grad for t in leaves), dbias, None if sink_leaf is None else sink_leaf.grad)
 
 
 def fa_style_check(name: str, got: torch.Tensor, ref32: torch.Tensor, reflp: torch.Tensor, k: float,
@@ -110,8 +133,10 @@ GRAD_FLOOR = 1e-4
 
 
 def check_grads_against(grads, ref32: GradReference, reflp: GradReference, repro: str) -> None:
-    """FA-style(3) on dq, dk and dv, and on dbias when `grads` has a fourth entry."""
-    names = ("dq", "dk", "dv", "dbias")[:len(grads)]
+    """FA-style(3) on dq, dk and dv, then on dbias and dsink where the references have them (in
+    that order in `grads`)."""
+    names = [n for n in ("dq", "dk", "dv", "dbias", "dsink") if getattr(ref32, n) is not None][:len(grads)]
+    assert len(names) == len(grads), f"{len(grads)} gradients for references {names}\n{repro}"
     for name, got in zip(names, grads):
         r32, rlp = getattr(ref32, name), getattr(reflp, name)
         assert got.shape == r32.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(r32.shape)}\n{repro}"

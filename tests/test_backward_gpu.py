@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import zlib
+from functools import partial
 from unittest import mock
 
 import pytest
@@ -18,28 +18,15 @@ import torch
 
 import flashkiln
 from flashkiln.dq_routes import DETERMINISTIC_ROUTES, ROUTE_ENV, ROUTES
-from reference import attention_grad_reference, check_grads_against
+from reference import attention_grad_reference, check_grads_against, repro_line, seed_of
 
 pytestmark = pytest.mark.gpu
+_repro = partial(repro_line, "test_backward_gpu.py")
 
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 CAUSAL = (None, "top_left", "bottom_right")
 SEQLENS = [(1, 1), (17, 17), (113, 113), (128, 128), (129, 129), (1023, 1023), (4224, 4224),
            (1, 4224), (4224, 1), (17, 129), (129, 17), (113, 1023), (1023, 113)]
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32_reference():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-
-
-def _seed(*parts: object) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def _repro(test: str, **kw) -> str:
-    return f"repro: pytest -q 'tests/test_backward_gpu.py::{test}'  ({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
 
 
 def _tensors(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, dqk: int, dv: int, dtype: torch.dtype,
@@ -113,7 +100,7 @@ def _check_grads(dout, q, k, v, causal, repro: str, scale=None, route="atomic") 
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 def test_sweep_gqa_bf16(sq, sk, causal, dims, route):
     """GQA 6/2, every S pair, head dims, causal mode and dq route."""
-    seed = _seed("bwd", sq, sk, causal, dims)
+    seed = seed_of("bwd", sq, sk, causal, dims)
     q, k, v, dout = _tensors(seed, 2, 6, 2, sq, sk, *dims, torch.bfloat16)
     _check_grads(dout, q, k, v, causal, _repro("test_sweep_gqa_bf16", seed=seed, sq=sq, sk=sk, causal=causal,
                                                 dims=dims, route=route), route=route)
@@ -124,7 +111,7 @@ def test_sweep_gqa_bf16(sq, sk, causal, dims, route):
 @pytest.mark.parametrize("sq,sk", [(129, 129), (1023, 300), (300, 1023)])
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
 def test_heads_and_fp16(dims, sq, sk, causal, hq, hkv):
-    seed = _seed("bwd-heads", dims, sq, sk, causal, hq, hkv)
+    seed = seed_of("bwd-heads", dims, sq, sk, causal, hq, hkv)
     q, k, v, dout = _tensors(seed, 2, hq, hkv, sq, sk, *dims, torch.float16)
     _check_grads(dout, q, k, v, causal, _repro("test_heads_and_fp16", seed=seed, dims=dims, sq=sq, sk=sk,
                                                 causal=causal, hq=hq, hkv=hkv))
@@ -135,7 +122,7 @@ def test_heads_and_fp16(dims, sq, sk, causal, hq, hkv):
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)], ids=["mha", "gqa"])
 def test_deterministic_is_bitwise_reproducible(hq, hkv, causal, route):
     """20 runs of the deterministic backward give identical dq, dk, dv (buffers re-poisoned each run)."""
-    seed = _seed("det", hq, hkv, causal)
+    seed = seed_of("det", hq, hkv, causal)
     q, k, v, dout = _tensors(seed, 2, hq, hkv, 1000, 1100, 128, 128, torch.bfloat16)
     first = _backward(dout, q, k, v, causal, route=route)
     for _ in range(19):
@@ -151,7 +138,7 @@ def test_deterministic_is_bitwise_reproducible(hq, hkv, causal, route):
 @pytest.mark.parametrize("route", DETERMINISTIC_ROUTES)
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
 def test_deterministic_every_head_dim(dims, route):
-    seed = _seed("det-dims", dims)
+    seed = seed_of("det-dims", dims)
     q, k, v, dout = _tensors(seed, 1, 6, 2, 513, 700, *dims, torch.bfloat16)
     runs = [_backward(dout, q, k, v, "bottom_right", route=route) for _ in range(3)]
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
@@ -161,14 +148,14 @@ def test_deterministic_every_head_dim(dims, route):
 
 def test_deterministic_routes_agree_closely():
     """The two deterministic routes sum dq in different orders: equal within rounding, not bitwise."""
-    q, k, v, dout = _tensors(_seed("routes"), 2, 4, 4, 777, 900, 128, 128, torch.bfloat16)
+    q, k, v, dout = _tensors(seed_of("routes"), 2, 4, 4, 777, 900, 128, 128, torch.bfloat16)
     ordered, workspace = (_backward(dout, q, k, v, "top_left", route=r) for r in DETERMINISTIC_ROUTES)
     torch.testing.assert_close(workspace[0], ordered[0], rtol=2e-2, atol=2e-2)
     assert all(torch.equal(a, b) for a, b in zip(ordered[1:], workspace[1:])), "dk and dv do not depend on the route"
 
 
 def test_deterministic_default_follows_torch(caplog):
-    q, k, v, dout = _tensors(_seed("default"), 1, 2, 2, 256, 256, 64, 64, torch.bfloat16)
+    q, k, v, dout = _tensors(seed_of("default"), 1, 2, 2, 256, 256, 64, 64, torch.bfloat16)
     out, lse = flashkiln.attention_forward(q, k, v)
     with caplog.at_level("DEBUG", logger="flashkiln"):
         flashkiln.attention_backward(dout, q, k, v, out, lse)
@@ -184,7 +171,7 @@ def test_deterministic_default_follows_torch(caplog):
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_rows_without_keys_get_zero_dq(route):
-    seed = _seed("no-keys")
+    seed = seed_of("no-keys")
     q, k, v, dout = _tensors(seed, 1, 2, 2, 300, 100, 128, 128, torch.bfloat16)
     dq, dk, dv = _backward(dout, q, k, v, "bottom_right", route=route)
     assert (dq[:, :, :200] == 0).all()
@@ -193,7 +180,7 @@ def test_rows_without_keys_get_zero_dq(route):
 
 def test_layouts_strides_and_custom_scale():
     """(B, S, H, D) inputs get (B, S, H, D)-strided gradients; a non-contiguous dout works."""
-    seed = _seed("layout")
+    seed = seed_of("layout")
     q, k, v, _ = _tensors(seed, 2, 4, 2, 333, 444, 128, 128, torch.bfloat16, layout="bshd")
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     dout = torch.randn(2, 4, 128, 333, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(2, 3)

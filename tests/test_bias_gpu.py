@@ -6,15 +6,17 @@ the API takes them.
 """
 from __future__ import annotations
 
-import zlib
+from functools import partial
 
 import pytest
 import torch
 
 import flashkiln
-from reference import attention_grad_reference, attention_reference, check_grads_against, fa_style_check
+from reference import (attention_grad_reference, attention_reference, check_grads_against, fa_style_check,
+                       repro_line, seed_of)
 
 pytestmark = pytest.mark.gpu
+_repro = partial(repro_line, "test_bias_gpu.py")
 
 B, HQ, HKV = 2, 6, 2
 CAUSAL = (None, "top_left", "bottom_right")
@@ -23,20 +25,6 @@ SEQLENS = [(129, 200), (200, 129), (113, 301)]
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 # Bias shapes as (batch, heads, rows, cols) with 1 where it broadcasts; "2d" is (S_q, S_k).
 SHAPES = {"full": "bhqk", "heads": "1hqk", "batch": "b1qk", "shared": "11qk", "2d": "qk", "keys": "b11k"}
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32_reference():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-
-
-def _seed(*parts: object) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def _repro(test: str, **kw) -> str:
-    return f"repro: pytest -q 'tests/test_bias_gpu.py::{test}'  ({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
 
 
 def _inputs(seed: int, sq: int, sk: int, dims=(128, 128), dtype=torch.bfloat16):
@@ -77,7 +65,7 @@ def _backward_check(q, k, v, dout, causal, bias, bias_grad, repro):
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("kind", SHAPES)
 def test_forward_every_bias_shape(kind, causal, sq, sk):
-    seed = _seed("fwd", kind, causal, sq, sk)
+    seed = seed_of("fwd", kind, causal, sq, sk)
     q, k, v, _, gen = _inputs(seed, sq, sk)
     _forward_check(q, k, v, causal, _bias(kind, sq, sk, gen),
                    _repro("test_forward_every_bias_shape", seed=seed, kind=kind, causal=causal, sq=sq, sk=sk))
@@ -86,7 +74,7 @@ def test_forward_every_bias_shape(kind, causal, sq, sk):
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_forward_head_dims_and_dtypes(dims, dtype):
-    seed = _seed("fwd-dims", dims, dtype)
+    seed = seed_of("fwd-dims", dims, dtype)
     q, k, v, _, gen = _inputs(seed, 333, 1000, dims, dtype)
     _forward_check(q, k, v, "top_left", _bias("full", 333, 1000, gen, dtype),
                    _repro("test_forward_head_dims_and_dtypes", seed=seed, dims=dims, dtype=dtype))
@@ -97,7 +85,7 @@ def test_forward_head_dims_and_dtypes(dims, dtype):
 @pytest.mark.parametrize("kind", SHAPES)
 @pytest.mark.parametrize("bias_grad", [True, False], ids=["dbias", "no-dbias"])
 def test_backward_every_bias_shape(bias_grad, kind, causal, sq, sk):
-    seed = _seed("bwd", kind, causal, sq, sk)
+    seed = seed_of("bwd", kind, causal, sq, sk)
     q, k, v, dout, gen = _inputs(seed, sq, sk)
     _backward_check(q, k, v, dout, causal, _bias(kind, sq, sk, gen), bias_grad,
                     _repro("test_backward_every_bias_shape", seed=seed, kind=kind, causal=causal, sq=sq, sk=sk,
@@ -106,7 +94,7 @@ def test_backward_every_bias_shape(bias_grad, kind, causal, sq, sk):
 
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
 def test_backward_head_dims(dims):
-    seed = _seed("bwd-dims", dims)
+    seed = seed_of("bwd-dims", dims)
     q, k, v, dout, gen = _inputs(seed, 333, 1000, dims)
     _backward_check(q, k, v, dout, "bottom_right", _bias("batch", 333, 1000, gen), True,
                     _repro("test_backward_head_dims", seed=seed, dims=dims))
@@ -114,7 +102,7 @@ def test_backward_head_dims(dims):
 
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
 def test_boolean_masks_keep_where_true(causal):
-    seed = _seed("bool", causal)
+    seed = seed_of("bool", causal)
     q, k, v, dout, gen = _inputs(seed, 200, 264)
     mask = torch.rand((B, 1, 200, 264), device="cuda", generator=gen) < 0.7
     mask[:, :, 5] = False  # rows that see no key at all
@@ -130,7 +118,7 @@ def test_boolean_masks_keep_where_true(causal):
 @pytest.mark.parametrize("kind", ["full", "shared", "keys"])
 def test_dbias_is_bitwise_deterministic(kind):
     """20 runs give identical dq, dk, dv and dbias, also where dbias sums over broadcast dims."""
-    seed = _seed("det", kind)
+    seed = seed_of("det", kind)
     q, k, v, dout, gen = _inputs(seed, 500, 700)
     bias = _bias(kind, 500, 700, gen)
     out, lse = flashkiln.attention_forward(q, k, v, causal="top_left", bias=bias)
@@ -143,7 +131,7 @@ def test_dbias_is_bitwise_deterministic(kind):
 
 def test_rows_masked_out_by_the_bias():
     """A bias row of -inf: O = 0, LSE = -inf, zero dq and dbias rows, no NaN anywhere."""
-    seed = _seed("inf-rows")
+    seed = seed_of("inf-rows")
     q, k, v, dout, gen = _inputs(seed, 150, 260)
     bias = _bias("full", 150, 260, gen)
     bias[:, :, 7] = float("-inf")
@@ -158,7 +146,7 @@ def test_rows_masked_out_by_the_bias():
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_sdpa_attn_mask_gradient_through_autograd(is_causal):
-    seed = _seed("sdpa", is_causal)
+    seed = seed_of("sdpa", is_causal)
     q, k, v, dout, gen = _inputs(seed, 256, 320)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     bias = _bias("heads", 256, 320, gen).requires_grad_()
@@ -177,7 +165,7 @@ def test_sdpa_attn_mask_gradient_through_autograd(is_causal):
 
 
 def test_bias_ops_under_torch_compile():
-    q, k, v, dout, gen = _inputs(_seed("compile"), 128, 192)
+    q, k, v, dout, gen = _inputs(seed_of("compile"), 128, 192)
     bias = _bias("batch", 128, 192, gen).requires_grad_()
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 

@@ -5,31 +5,22 @@ launch (and keeps NaN canaries around them), and checks O and LSE with rule FA-s
 """
 from __future__ import annotations
 
-import zlib
+from functools import partial
 
 import pytest
 import torch
 
 import flashkiln
-from reference import attention_reference, fa_style_check
+from reference import attention_reference, fa_style_check, repro_line, seed_of
 
 pytestmark = pytest.mark.gpu
+_repro = partial(repro_line, "test_forward_gpu.py")
 
 HEAD_DIMS = (64, 128, 256)
 CAUSAL = (None, "top_left", "bottom_right")
 # Tails, tile boundaries and S_q != S_k in both directions (CONVENTIONS.md's S set).
 SEQLENS = [(1, 1), (17, 17), (113, 113), (128, 128), (129, 129), (1023, 1023), (4224, 4224),
            (1, 4224), (4224, 1), (17, 129), (129, 17), (113, 1023), (1023, 113), (128, 4224), (4224, 128)]
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32_reference():
-    torch.backends.cuda.matmul.allow_tf32 = False  # REF32 must really be fp32
-    yield
-
-
-def _seed(*parts: object) -> int:
-    return zlib.crc32(repr(parts).encode())
 
 
 def _inputs(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, d: int, dtype: torch.dtype,
@@ -68,18 +59,13 @@ def _check_forward(q, k, v, causal, scale, repro: str) -> None:
     assert (got_out[ref32.empty_rows] == 0).all(), f"rows that see no key are not 0\n{repro}"
 
 
-def _repro(test: str, **kw) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
-    return f"repro: pytest -q 'tests/test_forward_gpu.py::{test}'  ({args})"
-
-
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_sweep_gqa(dtype, sq, sk, causal, d):
     """GQA 6/2 over every S pair, head dim and causal mode."""
-    seed = _seed("sweep", dtype, sq, sk, causal, d)
+    seed = seed_of("sweep", dtype, sq, sk, causal, d)
     q, k, v = _inputs(seed, 2, 6, 2, sq, sk, d, dtype)
     _check_forward(q, k, v, causal, None, _repro("test_sweep_gqa", seed=seed, dtype=dtype, sq=sq, sk=sk,
                                                  causal=causal, d=d))
@@ -90,7 +76,7 @@ def test_sweep_gqa(dtype, sq, sk, causal, d):
 @pytest.mark.parametrize("sq,sk", [(129, 129), (1023, 4224), (4224, 1023)])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_heads(d, sq, sk, causal, hq, hkv):
-    seed = _seed("heads", d, sq, sk, causal, hq, hkv)
+    seed = seed_of("heads", d, sq, sk, causal, hq, hkv)
     q, k, v = _inputs(seed, 2, hq, hkv, sq, sk, d, torch.bfloat16)
     _check_forward(q, k, v, causal, None, _repro("test_heads", seed=seed, d=d, sq=sq, sk=sk, causal=causal,
                                                  hq=hq, hkv=hkv))
@@ -100,7 +86,7 @@ def test_heads(d, sq, sk, causal, hq, hkv):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_bshd_layout_and_scale(d, causal):
     """(B, S, H, D) storage in, same memory order out; a custom scale."""
-    seed = _seed("bshd", d, causal)
+    seed = seed_of("bshd", d, causal)
     q, k, v = _inputs(seed, 3, 4, 2, 300, 517, d, torch.bfloat16, layout="bshd")
     out, lse = flashkiln.attention_forward(q, k, v, causal=causal, scale=0.3)
     assert out.stride(1) < out.stride(2), "out should keep q's (B, S, H, D) memory order"
@@ -113,7 +99,7 @@ def test_bshd_layout_and_scale(d, causal):
 
 def test_unaligned_and_strided_inputs_are_copied():
     """A last-dim stride of 2 and a base offset of one element are read correctly (via a copy)."""
-    seed = _seed("unaligned")
+    seed = seed_of("unaligned")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     base = torch.randn(2, 4, 200, 2 * 128 + 1, device="cuda", dtype=torch.bfloat16, generator=gen)
     q = base[..., 1:1 + 256:2]  # stride 2 in the head dim
@@ -124,14 +110,14 @@ def test_unaligned_and_strided_inputs_are_copied():
 
 
 def test_empty_key_sequence():
-    q, k, v = _inputs(_seed("empty"), 1, 2, 2, 33, 0, 64, torch.bfloat16)
+    q, k, v = _inputs(seed_of("empty"), 1, 2, 2, 33, 0, 64, torch.bfloat16)
     out, lse = flashkiln.attention_forward(q, k, v)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
 def test_rows_without_visible_keys_bottom_right():
     """S_q > S_k, bottom-right: the first S_q - S_k queries see nothing (O = 0, LSE = -inf)."""
-    seed = _seed("no-keys")
+    seed = seed_of("no-keys")
     q, k, v = _inputs(seed, 1, 2, 2, 300, 100, 128, torch.bfloat16)
     out, lse = flashkiln.attention_forward(q, k, v, causal="bottom_right")
     assert (out[:, :, :200] == 0).all() and torch.isneginf(lse[:, :, :200]).all()
@@ -139,7 +125,7 @@ def test_rows_without_visible_keys_bottom_right():
 
 
 def test_runs_on_the_current_stream():
-    seed = _seed("stream")
+    seed = seed_of("stream")
     q, k, v = _inputs(seed, 2, 4, 4, 1024, 1024, 128, torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -155,7 +141,7 @@ def test_runs_on_the_current_stream():
 
 def test_large_batch_offsets_use_64_bit():
     """K/V batch stride of 2**31 elements: the second batch entry lies past int32 offsets."""
-    seed = _seed("64bit")
+    seed = seed_of("64bit")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     storage = torch.randn(2**31 + 4 * 1024 * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     shape, strides = (2, 2, 1024, 128), (2**31, 1024 * 128, 128, 1)

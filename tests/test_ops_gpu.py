@@ -41,19 +41,29 @@ def _sample(sample, requires_grad):
     return q, k, v, bias, causal, d**-0.5
 
 
+def _sink(sample, q, requires_grad):
+    """Sinks on every other sample."""
+    if OPCHECK_SAMPLES.index(sample) % 2 == 0:
+        return None
+    return torch.linspace(-1, 2, q.shape[1], device="cuda").requires_grad_(requires_grad)
+
+
 @pytest.mark.parametrize("sample", OPCHECK_SAMPLES)
 def test_opcheck_forward(sample):
     q, k, v, bias, causal, scale = _sample(sample, requires_grad=True)
-    torch.library.opcheck(torch.ops.flashkiln.attention_forward.default, (q, k, v, bias, causal, scale, None))
+    sink = _sink(sample, q, requires_grad=True)
+    torch.library.opcheck(torch.ops.flashkiln.attention_forward.default, (q, k, v, bias, sink, causal, scale, None))
 
 
 @pytest.mark.parametrize("sample", OPCHECK_SAMPLES)
 def test_opcheck_backward(sample):
     q, k, v, bias, causal, scale = _sample(sample, requires_grad=False)
-    out, lse = torch.ops.flashkiln.attention_forward(q, k, v, bias, causal, scale, None)
+    sink = _sink(sample, q, requires_grad=False)
+    out, lse = torch.ops.flashkiln.attention_forward(q, k, v, bias, sink, causal, scale, None)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.flashkiln.attention_backward.default,
-                          (dout, q, k, v, out, lse, bias, bias is not None, causal, scale, True))
+                          (dout, q, k, v, out, lse, bias, bias is not None, sink, sink is not None, causal, scale,
+                           True))
 
 
 def _loss_and_grads(fn, q, k, v, dout):

@@ -29,13 +29,14 @@ def main() -> int:
         k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
         bias = None if bias_shape is None else torch.randn(bias_shape, device="cuda", dtype=torch.bfloat16)
-        out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias)
+        sink = torch.linspace(-1, 1, hq, device="cuda") if bias is None else None
+        out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias, sink=sink)
         grads = []
         # A biased backward runs the deterministic routes only (and dBias the workspace one).
         for route in ROUTES if bias is None else ("ordered", "workspace"):
             with mock.patch.dict(os.environ, {ROUTE_ENV: route}):
                 grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=causal,
-                                                      deterministic=route != "atomic", bias=bias,
+                                                      deterministic=route != "atomic", bias=bias, sink=sink,
                                                       bias_grad=bias is not None and route == "workspace")
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))

@@ -15,6 +15,7 @@ struct FwdParams {
   uint64_t o;    // (batch, heads_q, seqlen_q, d_v)
   uint64_t lse;  // float (batch, heads_q, seqlen_q), dense; natural log
   uint64_t bias;  // additive score bias (batch, heads_q, seqlen_q, seqlen_k) by strides, or 0
+  uint64_t sink;  // float (heads_q,): each head's sink logit, in every row's softmax denominator, or 0
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;

@@ -9,9 +9,20 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include <flashkiln/portable/tile_traits.hpp>
+
 namespace flashkiln::portable {
 
 using namespace cute;
+
+// The bias tile's shared-memory layout and 16-byte copies. A kernel names these only where it has a
+// bias (inside `if constexpr`), so that tiles a bias could not take (tile_n not a multiple of 32)
+// stay legal without one.
+template <class Element, int kThreads, int kBlockM, int kBlockN>
+struct BiasTile {
+  using SmemLayout = typename SmemTile<Element, kBlockM, kBlockN>::Layout;
+  using GmemCopy = DsTileCopy<Element, kThreads, kBlockM, kBlockN>;
+};
 
 // The bias of one (batch, query head) as (kBlockM, kBlockN) tiles: (M, N, m, n).
 template <int kBlockM, int kBlockN, class Element, class Params>

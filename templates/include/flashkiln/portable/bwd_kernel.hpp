@@ -133,8 +133,8 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
     copy_rows<true>(load_vo, tdOgdO(_, _, _, m_block), at_offset(tdOsdO, stage * T::kElemsdO), tdOcdO, rows);
     if constexpr (T::kBias) {
       Tensor gBias = gmem_bias_tiles<kBlockM, kBlockN, Element>(p, batch, head)(_, _, m_block, n_block);
-      copy_rows_cols<true>(load_bias, thr_load_bias.partition_S(gBias), at_offset(tBsB, stage * T::kElemsBias), tBcB,
-                     rows, p.seqlen_k - n_block * kBlockN);
+      copy_rows_cols<true>(load_bias, thr_load_bias.partition_S(gBias), at_offset(tBsB, stage * T::kElemsBias),
+                           tBcB, rows, p.seqlen_k - n_block * kBlockN);
     }
   };
 

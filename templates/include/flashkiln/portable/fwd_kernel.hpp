@@ -89,15 +89,16 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
                     p.seqlen_k - n_block * kBlockN);
   };
   // The bias tile of this query tile and key tile n_block (one buffer; see the main loop).
-  Tensor sBias = make_tensor(make_smem_ptr(smem_bias), typename T::SmemLayoutBias{});
-  typename T::GmemCopyBias::AsyncLoad load_bias;
-  auto thr_load_bias = load_bias.get_thread_slice(tidx);
+  using Bias = BiasTile<Element, T::kThreads, kBlockM, kBlockN>;
   auto load_bias_tile = [&](int n_block) {
     if constexpr (T::kBias) {
+      typename Bias::GmemCopy::AsyncLoad load_bias;
+      auto thr_load_bias = load_bias.get_thread_slice(tidx);
+      Tensor sBias = make_tensor(make_smem_ptr(smem_bias), typename Bias::SmemLayout{});
       Tensor gBias = gmem_bias_tiles<kBlockM, kBlockN, Element>(p, batch, head)(_, _, m_block, n_block);
       copy_rows_cols<true>(load_bias, thr_load_bias.partition_S(gBias), thr_load_bias.partition_D(sBias),
-                     thr_load_bias.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})), q_rows,
-                     p.seqlen_k - n_block * kBlockN);
+                           thr_load_bias.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})),
+                           q_rows, p.seqlen_k - n_block * kBlockN);
     }
   };
 
@@ -122,7 +123,6 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
 
   // (row, col) of every score this thread holds, for masking.
   Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
-  Tensor tSsBias = thr_mma.partition_C(sBias);
   const float inv_scale = 1.f / p.scale;
 
   constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
@@ -163,7 +163,8 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
       gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage * T::kElemsK), smem_copy_q,
                      smem_copy_k, thr_copy_q, thr_copy_k);
       if constexpr (T::kBias) {
-        add_bias(acc_s, tSsBias, inv_scale);
+        add_bias(acc_s, thr_mma.partition_C(make_tensor(make_smem_ptr(smem_bias), typename Bias::SmemLayout{})),
+                 inv_scale);
         if constexpr (T::kStages == 2) {
           // One bias buffer: once every warp has read this tile, the next one streams in during
           // the softmax and P V (the wait at the top of the next step covers it).
@@ -214,7 +215,8 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
 
   // ---- epilogue: normalize, O through shared memory to 16-byte global stores, then LSE ---------
   float lse[kRows];
-  softmax.finalize(rowcol(acc_o), p.scale, lse);
+  const float sink = p.sink != 0 ? reinterpret_cast<float const*>(p.sink)[head] : -kInfinity;
+  softmax.finalize(rowcol(acc_o), p.scale, sink, lse);
   Tensor rO = convert_fragment<Element>(acc_o);
 
   __syncthreads();  // O reuses Q's shared memory

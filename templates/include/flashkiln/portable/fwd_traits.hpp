@@ -47,9 +47,6 @@ struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   using SmemLayoutVt = TransposedView<SmemLayoutV, kBlockN, kDimV>;
   using SmemLayoutVtPlain = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
 
-  using SmemLayoutBias = typename SmemTile<Element, kBlockM, kBlockN>::Layout;
-  using GmemCopyBias = DsTileCopy<Element, kThreads, kBlockM, kBlockN>;
-
   // Shared memory: Q (reused for O after the main loop), then kStages x (K, V), then the bias tile.
   static constexpr int kElemsQO = kBlockM * (kDimQK > kDimV ? kDimQK : kDimV);
   static constexpr int kElemsK = kBlockN * kDimQK;

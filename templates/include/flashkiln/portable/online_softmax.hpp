@@ -63,15 +63,25 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalize `o` and return each row's natural-log sum-exp of the scaled scores in `lse`.
+  // Normalize `o` and return each row's natural-log sum-exp of the scaled scores in `lse`. A
+  // finite `sink` (a logit in the units of the scaled scores) joins the denominator and the LSE
+  // without a value: o is scaled by sum / (sum + exp(sink - max)).
   template <class TensorO>
-  __device__ __forceinline__ void finalize(TensorO&& o, float scale, float (&lse)[kRows]) {
+  __device__ __forceinline__ void finalize(TensorO&& o, float scale, float sink, float (&lse)[kRows]) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float sum = quad_allreduce(row_sum[r], [](float a, float b) { return a + b; });
+      float sum = quad_allreduce(row_sum[r], [](float a, float b) { return a + b; });
+      float top = row_max[r] == -kInfinity ? -kInfinity : row_max[r] * scale;  // natural units
+      float kept = 1.f;  // factor of the keys' terms after moving the reference point to `top`
+      if (sink != -kInfinity) {
+        const float new_top = fmaxf(top, sink);
+        kept = top == -kInfinity ? 0.f : exp2f((top - new_top) * kLog2e);
+        sum = sum * kept + exp2f((sink - new_top) * kLog2e);
+        top = new_top;
+      }
       const bool empty = sum == 0.f;
-      const float inv = empty ? 0.f : 1.f / sum;
-      lse[r] = empty ? -kInfinity : row_max[r] * scale + logf(sum);
+      const float inv = empty ? 0.f : kept / sum;
+      lse[r] = empty ? -kInfinity : top + logf(sum);
       CUTE_UNROLL
       for (int c = 0; c < size<1>(o); ++c) {
         o(r, c) *= inv;

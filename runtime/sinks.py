@@ -1,0 +1,33 @@
+"""Attention sinks: a learned logit per query head that joins every row's softmax denominator.
+
+With sinks, `P_ij = exp(S_ij - LSE_i)` and `LSE_i = log(exp(sink_h) + sum_j exp(S_ij))`: the sink
+takes probability mass `exp(sink_h - LSE_i)` and contributes no value (as in gpt-oss). The forward
+returns this sink-inclusive LSE, so a row that sees no key gets O = 0 and LSE = sink_h (not -inf).
+The backward's kernels need nothing new (they recompute P from that LSE);
+dSink_h = -sum over (batch, i) of exp(sink_h - LSE_i) * delta_i, with delta = rowsum(dO * O),
+is a fixed-order torch reduction (deterministic).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import inputs
+
+
+def prepare_sink(sink: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Check `sink` against q (B, H_q, S_q, d) and give the dense fp32 (H_q,) tensor the kernel reads."""
+    if not isinstance(sink, torch.Tensor):
+        inputs.fail(f"sink must be a torch.Tensor or None, got {type(sink).__name__}")
+    if tuple(sink.shape) != (q.shape[1],):
+        inputs.fail(f"sink must have shape (H_q,) = ({q.shape[1]},), got {tuple(sink.shape)}")
+    if sink.device != q.device:
+        inputs.fail(f"sink is on {sink.device}, the inputs on {q.device}")
+    if sink.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        inputs.fail(f"sink must be float32, float16 or bfloat16, got {sink.dtype}")
+    return sink.detach().to(torch.float32).contiguous()
+
+
+def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """dSink (H_q,) in sink's dtype from the forward's LSE and the backward's delta (B, H_q, S_q)."""
+    weight = torch.exp(sink.detach().float()[None, :, None] - lse)
+    return (-(weight * delta).sum(dim=(0, 2))).to(sink.dtype)
