@@ -2,18 +2,15 @@
 
 - "atomic": key tiles add dS K into an fp32 accumulator with unordered atomics (not deterministic).
 - "ordered": they add in a fixed key-tile order behind per-query-tile semaphores (deterministic).
-- "workspace": the main kernel stores dS tiles in a workspace, and a second kernel computes
-  dQ = dS K per query tile, summing in key-tile order (deterministic). It needs a workspace of
-  B * H_q * S_q * S_k elements rounded up to whole tiles, so it is taken only within a budget.
+- "workspace": the main kernel stores dS in a workspace, and a second kernel computes dQ = dS K
+  per query tile, summing in key-tile order (deterministic). It needs a workspace of
+  B * H_q * S_q * S_k elements (rows padded to 16 bytes), so it is taken only within a budget.
 """
 from __future__ import annotations
 
-import logging
 import os
 
 from .errors import InvalidInputError
-
-log = logging.getLogger("flashkiln")
 
 ROUTES = ("atomic", "ordered", "workspace")
 DETERMINISTIC_ROUTES = ("ordered", "workspace")
@@ -43,10 +40,10 @@ def preferred_route(d_qk: int, deterministic: bool) -> str:
     """The faster route, as measured on an H200 (docs/perf.md, 2026-11-30, v3).
 
     The workspace route beat the others wherever it was measured except against the atomic route
-    at d_qk = 64 (even there: 0.97-1.04x): without the dQ GEMM and its reductions the main kernel
-    spills less and never waits, and the dQ kernel is a plain GEMM. Against the ordered route it
-    gained 10-45%, against the atomic one 5-10% at d_qk = 128 and 20-35% at d_qk = 256. Below
-    d_qk = 128 a call that is not deterministic keeps the atomic route and spares the memory.
+    at d_qk = 64 (there 0.99-1.03x): without the dQ GEMM and its reductions the main kernel spills
+    less and never waits, and the dQ kernel is a plain GEMM. Against the ordered route it gained
+    9-61%, against the atomic one 7-11% at d_qk = 128 and 24-32% at d_qk = 256. Below d_qk = 128
+    a call that is not deterministic keeps the atomic route and spares the memory.
     """
     return "workspace" if deterministic or d_qk >= 128 else "atomic"
 
