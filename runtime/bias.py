@@ -30,13 +30,18 @@ class KernelBias:
         return inputs.stride_fields("bias", self.tensor)
 
 
+def _padded_row(elements: int, element_size: int = 2) -> int:
+    """A row of `elements` rounded up to whole 16-byte pieces, in elements."""
+    per_piece = _PIECE_BYTES // element_size
+    return ceil_div(elements, per_piece) * per_piece
+
+
 def _readable_in_pieces(t: torch.Tensor) -> bool:
     """16-byte pieces of every row lie inside t's storage (the last piece may run past S_k)."""
     if not inputs.is_kernel_layout(t):
         return False
-    elems = _PIECE_BYTES // t.element_size()
     last_row_start = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape[:-1], t.stride()[:-1]))
-    row_end = last_row_start + ceil_div(t.shape[-1], elems) * elems
+    row_end = last_row_start + _padded_row(t.shape[-1], t.element_size())
     return row_end * t.element_size() <= t.untyped_storage().nbytes()
 
 
@@ -59,15 +64,15 @@ def prepare_bias(bias: torch.Tensor, q: torch.Tensor, seqlen_k: int) -> KernelBi
     if bias4.shape[3] != full[3]:
         bias4 = bias4.expand(*bias4.shape[:3], full[3])  # a per-row constant: materialized below
     if not _readable_in_pieces(bias4) or bias4.stride(3) != 1:
-        elems = _PIECE_BYTES // bias4.element_size()
-        padded = torch.empty((*bias4.shape[:3], ceil_div(full[3], elems) * elems), dtype=q.dtype, device=q.device)
+        padded = torch.empty((*bias4.shape[:3], _padded_row(full[3], bias4.element_size())), dtype=q.dtype,
+                             device=q.device)
         bias4 = padded[..., :full[3]].copy_(bias4)
     return KernelBias(bias4.expand(full), shape, broadcast)
 
 
 def ds_row_elements(seqlen_k: int) -> int:
-    """Elements per row of the dS workspace: S_k rounded up to whole 16-byte pieces (bwd_tiles.hpp)."""
-    return ceil_div(seqlen_k, 8) * 8
+    """Elements per row of the (2-byte) dS workspace: S_k in whole 16-byte pieces (bwd_tiles.hpp)."""
+    return _padded_row(seqlen_k)
 
 
 def bias_gradient(workspace: torch.Tensor, bias: KernelBias) -> torch.Tensor:
