@@ -9,7 +9,9 @@ the median of (forward + backward through autograd) minus the median forward.
 
 Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/bench [--quick]
   [--passes fwd bwd] [--extra-kernel-dir LABEL=DIR ...]  (other generated dirs: forward only)
-  [--bias full|shared]  (an additive bias and dBias instead, non-causal)
+  [--bias full|shared]  (an additive bias and dBias instead, non-causal; with FlexAttention)
+  [--varlen]  (packed batches of 16384 tokens in sequences of S/8..S tokens, S the longest; beside
+               torch's efficient backend on nested tensors and FlexAttention with a document mask)
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flashkiln
 from flashkiln.dq_routes import ROUTE_ENV, ROUTES
@@ -38,6 +41,12 @@ TORCH_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# FlexAttention runs compiled, as its documentation asks (eager is a slow reference path): one
+# compile per shape, and room for every shape of a sweep before torch would fall back to eager.
+torch._dynamo.config.cache_size_limit = 256
+_flex = torch.compile(flex_attention, dynamic=False)
 
 
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -96,15 +105,68 @@ def with_backward(attend: Attention, dout: torch.Tensor, deterministic: bool,
     return step
 
 
-def bias_cases(passes: list[str], bias: torch.Tensor) -> dict:
-    """flashkiln with and without `bias` (its gradient too, when it requires one), and torch's
-    efficient backend with it: the one torch backend that returns dBias."""
+def bias_cases(passes: list[str], bias: torch.Tensor, registries: dict[str, KernelRegistry | None]) -> dict:
+    """flashkiln with and without `bias` (its gradient too, when it requires one), torch's
+    efficient backend with it (the one torch backend that returns dBias) and FlexAttention; the
+    forward of the other kernel directories too."""
     kiln = lambda q, k, v: flashkiln.scaled_dot_product_attention(q, k, v)  # noqa: E731
     kiln_bias = lambda q, k, v: flashkiln.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # noqa: E731
     efficient = torch_sdpa(SDPBackend.EFFICIENT_ATTENTION, False)
     efficient_bias = lambda q, k, v: efficient(q, k, v, attn_mask=bias)  # noqa: E731
+    shared = bias.shape[0] == 1
+    # A learnable bias as FlexAttention writes it: a captured tensor read in score_mod.
+    score_mod = (lambda score, b, h, i, j: score + bias[0, 0, i, j]) if shared else \
+        (lambda score, b, h, i, j: score + bias[b, h, i, j])
+    flex_bias = lambda q, k, v: _flex(q, k, v, score_mod=score_mod)  # noqa: E731
+    cases = {(name, p): (fn, False, None) for p in passes for name, fn in
+             (("flashkiln", kiln), ("flashkiln+bias", kiln_bias), ("efficient+bias", efficient_bias),
+              ("flex+bias", flex_bias))}
+    if "fwd" in passes:
+        for name, registry in registries.items():
+            if registry is not None:
+                cases[(f"{name}+bias", "fwd")] = ((lambda q, k, v, registry=registry: flashkiln.attention_forward(
+                    q, k, v, bias=bias, registry=registry)[0]), False, None)
+    return cases
+
+
+def packed_lengths(longest: int, tokens: int, seed: int) -> list[int]:
+    """Sequence lengths drawn from [longest / 8, longest] until they hold `tokens` (the last one cut)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        drawn = int(torch.randint(max(1, longest // 8), longest + 1, (1,), generator=gen))
+        lengths.append(min(drawn, tokens - sum(lengths)))
+    return lengths
+
+
+def varlen_cases(passes: list[str], lengths: list[int], causal: bool) -> dict:
+    """Attention over one packed batch of (total, H, d) tokens: flashkiln's varlen kernels, torch's
+    efficient backend on nested (jagged) tensors, and FlexAttention with a document mask."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    longest, total = max(lengths), sum(lengths)
+    mode = "top_left" if causal else None
+    kiln = lambda q, k, v: flashkiln.varlen_attention(q, k, v, cu, cu, longest, longest, causal=mode)  # noqa: E731
+
+    def efficient(q, k, v):
+        nested = [torch.nested.nested_tensor_from_jagged(t, offsets=cu.long()).transpose(1, 2) for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = F.scaled_dot_product_attention(*nested, is_causal=causal)
+        return out.transpose(1, 2).values()
+
+    document = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
+                                       torch.tensor(lengths, device="cuda"))
+    start = cu[:-1].long()[document]
+
+    def same_document(b, h, i, j):
+        visible = document[i] == document[j]
+        return visible & (j - start[j] <= i - start[i]) if causal else visible
+    block_mask = create_block_mask(same_document, None, None, total, total, device="cuda")
+
+    def flex(q, k, v):
+        out = _flex(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=block_mask)
+        return out[0].transpose(0, 1)
     return {(name, p): (fn, False, None) for p in passes for name, fn in
-            (("flashkiln", kiln), ("flashkiln+bias", kiln_bias), ("efficient+bias", efficient_bias))}
+            (("flashkiln-varlen", kiln), ("efficient-nested", efficient), ("flex-document", flex))}
 
 
 def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, KernelRegistry | None]) -> dict:
@@ -129,48 +191,67 @@ def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, Ker
     return cases
 
 
+def measure(p: str, attend: Attention, leaves: list[torch.Tensor], dout: torch.Tensor, deterministic: bool,
+            route: str | None, args: argparse.Namespace) -> float:
+    """Milliseconds of one forward (p == "fwd") or one backward through autograd of `attend` on
+    leaves[:3] (the inputs; further leaves, a bias, get gradients too)."""
+    if p == "fwd":
+        with torch.no_grad():
+            return time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps)
+    step = with_backward(attend, dout, deterministic, route)
+    return time_ms(lambda: step(leaves), args.warmup, args.reps) \
+        - time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps)
+
+
+def record(rows: list[dict], cases: dict, leaves: list[torch.Tensor], dout: torch.Tensor, fwd_flops: int,
+           args: argparse.Namespace, **shape) -> None:
+    """Time every case and append its row (a case that cannot run is reported and skipped)."""
+    label = " ".join(f"{k}={v}" for k, v in shape.items())
+    for (name, p), (attend, deterministic, route) in cases.items():
+        try:
+            ms = measure(p, attend, leaves, dout, deterministic, route, args)
+        except (RuntimeError, FlashkilnError) as exc:
+            print(f"  {name} {p} {label}: skipped ({str(exc).splitlines()[0]})", file=sys.stderr)
+            continue
+        flops = fwd_flops * (2.5 if p == "bwd" else 1.0)
+        rows.append({"backend": name, "pass": p, **shape, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
+        print(f"{name:>22} {p} {label} {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
+
+
 def run(args: argparse.Namespace) -> dict:
     seqlens = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     registries: dict[str, KernelRegistry | None] = {"flashkiln": KernelRegistry(args.kernel_dir) if args.kernel_dir else None}
     for spec in args.extra_kernel_dir:
         label, _, path = spec.partition("=")
         registries[f"flashkiln[{label}]"] = KernelRegistry(Path(path))
-    rows = []
+    rows: list[dict] = []
     for d in args.head_dims:
         # torch's SDPA takes no attn_mask together with is_causal: biased runs are not causal.
         for causal in (False,) if args.bias != "none" else (False, True):
             for s in seqlens:
                 b, h = 16384 // s, 2048 // d
                 gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
+                if args.varlen:
+                    lengths = packed_lengths(s, 16384, s)
+                    q, k, v, dout = (torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16,
+                                                 generator=gen) for _ in range(4))
+                    fwd_flops = 4 * h * d * sum(visible_pairs(n, n, causal) for n in lengths)
+                    leaves = [t.requires_grad_() for t in (q, k, v)]
+                    record(rows, varlen_cases(args.passes, lengths, causal), leaves, dout, fwd_flops, args,
+                           d=d, causal=causal, seqlen=s, batch=len(lengths), heads=h)
+                    continue
                 q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                                  for _ in range(4))
                 fwd_flops = 4 * b * h * d * visible_pairs(s, s, causal)
-                grad_qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-                leaves, cases = grad_qkv, None
+                leaves = [t.requires_grad_() for t in (q, k, v)]
                 if args.bias != "none":
                     bias = torch.randn((b, h, s, s) if args.bias == "full" else (1, 1, s, s), device="cuda",
                                        dtype=torch.bfloat16, generator=gen).requires_grad_()
-                    leaves, cases = grad_qkv + [bias], bias_cases(args.passes, bias)
-                for (name, p), (attend, deterministic, route) in (cases or cases_for(d, causal, args.passes,
-                                                                                     registries)).items():
-                    try:
-                        if p == "fwd":
-                            with torch.no_grad():
-                                ms = time_ms(lambda: attend(q, k, v), args.warmup, args.reps)
-                        else:
-                            step = with_backward(attend, dout, deterministic, route)
-                            ms = time_ms(lambda: step(leaves), args.warmup, args.reps) \
-                                - time_ms(lambda: attend(*grad_qkv), args.warmup, args.reps)
-                    except (RuntimeError, FlashkilnError) as exc:
-                        print(f"  {name} {p} d={d} causal={causal} S={s}: skipped ({str(exc).splitlines()[0]})",
-                              file=sys.stderr)
-                        continue
-                    flops = fwd_flops * (2.5 if p == "bwd" else 1.0)
-                    rows.append({"backend": name, "pass": p, "d": d, "causal": causal, "seqlen": s, "batch": b,
-                                 "heads": h, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
-                    print(f"{name:>22} {p} d={d:<3} causal={causal!s:<5} S={s:<5} {ms:8.3f} ms "
-                          f"{rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
-                del q, k, v, dout, grad_qkv, leaves, cases
+                    cases = bias_cases(args.passes, bias, registries)
+                    leaves.append(bias)
+                else:
+                    cases = cases_for(d, causal, args.passes, registries)
+                record(rows, cases, leaves, dout, fwd_flops, args, d=d, causal=causal, seqlen=s, batch=b, heads=h)
     cudnn = {(r["pass"], r["d"], r["causal"], r["seqlen"]): r["tflops"] for r in rows if r["backend"] == "cudnn"}
     for r in rows:
         ref = cudnn.get((r["pass"], r["d"], r["causal"], r["seqlen"]))
@@ -251,6 +332,8 @@ def main() -> None:
     parser.add_argument("--bias", choices=["none", "full", "shared"], default="none",
                         help="time an additive bias instead (full: (B, H, S, S), shared: (1, 1, S, S)), with dBias "
                              "in the backward, beside flashkiln without it and torch's efficient backend")
+    parser.add_argument("--varlen", action="store_true",
+                        help="time packed variable-length batches instead (S is the longest sequence)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--kernel-dir", type=Path, help="flashkiln's kernels (default: the runtime's default)")

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from flashkiln.archs import ARCHS
 from flashkiln.descriptor import VariantDescriptor
+from flashkiln.params import DQ_ACCUM_ROW_ALIGN
 
 _ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 _ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
@@ -142,6 +143,9 @@ class PortableFamily:
         if d.tile_m % 16 or d.tile_n % 32:
             return [f"tile {d.tile_m}x{d.tile_n}: bwd needs tile_m a multiple of 16 and tile_n of 32"]
         errors = []
+        if DQ_ACCUM_ROW_ALIGN % d.tile_m:
+            errors.append(f"tile_m={d.tile_m}: must divide {DQ_ACCUM_ROW_ALIGN}, the dQ accumulator's rows per "
+                          "sequence are rounded up to that")
         gemms = (("dQ", d.tile_m, (d.d_qk,)),)
         if d.kernel == "bwd":
             gemms = (("S = Q K^T", d.tile_m, (d.tile_n,)), ("dK, dV", d.tile_n, (d.d_qk, d.d_v))) + gemms

@@ -15,7 +15,8 @@ from .errors import (
     UnsupportedError,
     VariantNotFoundError,
 )
-from .ops import scaled_dot_product_attention
+from .ops import scaled_dot_product_attention, varlen_attention
+from .varlen import PackedBatch
 from .registry import KernelRegistry
 
 __all__ = [
@@ -27,10 +28,12 @@ __all__ = [
     "KernelIntegrityError",
     "KernelRegistry",
     "ManifestError",
+    "PackedBatch",
     "VariantDescriptor",
     "UnsupportedError",
     "VariantNotFoundError",
     "attention_backward",
     "attention_forward",
     "scaled_dot_product_attention",
+    "varlen_attention",
 ]

@@ -12,9 +12,10 @@ from .bias import KernelBias, bias_gradient, ds_row_elements, prepare_bias
 from .errors import UnsupportedError, VariantNotFoundError
 from .launch import KernelLaunch, Target, ceil_div, request, run
 from .manifest import KernelEntry
-from .params import BwdParams
+from .params import DQ_ACCUM_ROW_ALIGN, BwdParams
 from .registry import KernelRegistry, default_registry
 from .sinks import prepare_sink, sink_gradient
+from .varlen import TOKENS, BatchShape, PackedBatch, as_batched, as_tokens, batched_view, check_packed, token_mask
 
 log = logging.getLogger("flashkiln")
 
@@ -48,18 +49,22 @@ def _check_backward_tensors(dout: torch.Tensor, q: torch.Tensor, out: torch.Tens
 def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: str, scale: float,
                   deterministic: bool, capability: tuple[int, int], device_memory: int,
-                  registry: KernelRegistry, bias: KernelBias | None = None, bias_grad: bool = False) -> BackwardPlan:
+                  registry: KernelRegistry, bias: KernelBias | None = None, bias_grad: bool = False,
+                  packed: PackedBatch | None = None) -> BackwardPlan:
     """Choose the route and kernels, allocate their workspaces and pack the parameters (inputs already
-    checked). `device_memory` (bytes) sets the default workspace budget. With a bias the main
-    kernel is a deterministic one (the variants the specs generate for it); with `bias_grad` the
-    route is the workspace one, whose dS tiles become dBias."""
-    b, hq, sq, dqk = q.shape
-    _, hkv, sk, dv_dim = v.shape
+    checked; for a packed batch, their (1, H, total, d) views). `device_memory` (bytes) sets the
+    default workspace budget. With a bias the main kernel is a deterministic one (the variants the
+    specs generate for it); with `bias_grad` the route is the workspace one, whose dS tiles become
+    dBias."""
+    _, hq, _, dqk = q.shape
+    _, hkv, _, dv_dim = v.shape
+    shape = BatchShape.of(q, k, packed)
+    b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     dtype = inputs.DTYPES[q.dtype]
     has_bias = bias is not None
     deterministic = deterministic or has_bias
-    workspace_kernels = _workspace_kernels(q, sk, dv_dim, causal, deterministic, has_bias, bias_grad, capability,
-                                           device_memory, registry)
+    workspace_kernels = _workspace_kernels(q, shape, dv_dim, causal, deterministic, has_bias, bias_grad,
+                                           capability, device_memory, registry)
     if workspace_kernels is not None:
         route, (main, dq_kernel) = "workspace", workspace_kernels
     else:
@@ -67,21 +72,27 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         main = registry.find(request("bwd", dtype, dqk, dv_dim, causal, deterministic, has_bias), capability)
     pre = registry.find(request("bwd_pre", dtype, dqk, dv_dim), capability)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
-    sq_rounded = ceil_div(sq, tile_m) * tile_m
+    sq_rounded = ceil_div(sq, DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
+    # Dense: (B, H_q, sq_rounded); packed: (1, H_q, total_q + B * align) (sequence.hpp).
+    dq_accum_rows = sq_rounded if packed is None else shape.total_q + b * DQ_ACCUM_ROW_ALIGN
     f32 = dict(dtype=torch.float32, device=q.device)
     grouped = hq != hkv
+    layout_batches = q.shape[0]  # 1 for a packed batch: every sequence lives in entry 0
     with inputs.kernel_written_allocations():
-        delta = torch.empty((b, hq, sq), **f32)
-        # fp32 per-query-head dK and dV for GQA, summed over each group afterwards.
-        dk_accum = torch.empty((b, hq, sk, dqk), **f32) if grouped else None
-        dv_accum = torch.empty((b, hq, sk, dv_dim), **f32) if grouped else None
+        delta = torch.empty((layout_batches, hq, shape.total_q), **f32)
+        # fp32 per-query-head dK and dV for GQA, summed over each group afterwards (zeros for the
+        # keys of a packed batch that lie in no sequence).
+        per_head = torch.zeros if packed is not None else torch.empty
+        dk_accum = per_head((layout_batches, hq, shape.total_k, dqk), **f32) if grouped else None
+        dv_accum = per_head((layout_batches, hq, shape.total_k, dv_dim), **f32) if grouped else None
         if route == "workspace":
             dq_accum = semaphore = None
-            # dBias reads every tile, also those no key tile visits (causal): they must be zeros.
-            allocate = torch.zeros if bias_grad and causal != "none" else torch.empty
-            workspace = allocate(_workspace_elements(q, sk), dtype=q.dtype, device=q.device)
+            # dBias reads every tile, also those no key tile visits (causal) and those past a
+            # packed sequence's ends: they must be zeros.
+            allocate = torch.zeros if bias_grad and (causal != "none" or packed is not None) else torch.empty
+            workspace = allocate(_workspace_elements(shape, hq), dtype=q.dtype, device=q.device)
         else:
-            dq_accum = torch.empty((b, hq, sq_rounded, dqk), **f32)  # zeroed by the preprocess
+            dq_accum = torch.empty((layout_batches, hq, dq_accum_rows, dqk), **f32)  # zeroed by the preprocess
             semaphore = torch.zeros((b, hq, sq_rounded // tile_m), dtype=torch.int32, device=q.device) \
                 if route == "ordered" else None
             workspace = None
@@ -95,7 +106,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
         **inputs.stride_fields("o", out), **inputs.stride_fields("do", dout), **inputs.stride_fields("dq", dq),
         **inputs.stride_fields("dk", dk), **inputs.stride_fields("dv", dv),
-        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, seqlen_q_rounded=sq_rounded,
+        heads_q=hq, heads_kv=hkv, **shape.params(), seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows,
         scale=scale, scale_log2=scale * math.log2(math.e),
     )
     launches = [
@@ -110,14 +121,13 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return BackwardPlan(launches, route, dk_accum, dv_accum, (delta, dq_accum, semaphore, workspace))
 
 
-def _workspace_elements(q: torch.Tensor, sk: int) -> int:
+def _workspace_elements(shape: BatchShape, hq: int) -> int:
     """dS workspace size: dense (B, H_q, S_q, S_k) with rows padded to 16 bytes (bwd_tiles.hpp)."""
-    b, hq, sq, _ = q.shape
-    return b * hq * sq * ds_row_elements(sk)
+    return shape.batch * hq * shape.seqlen_q * ds_row_elements(shape.seqlen_k)
 
 
-def _workspace_kernels(q: torch.Tensor, sk: int, d_v: int, causal: str, deterministic: bool, has_bias: bool,
-                       required: bool, capability: tuple[int, int], device_memory: int,
+def _workspace_kernels(q: torch.Tensor, shape: BatchShape, d_v: int, causal: str, deterministic: bool,
+                       has_bias: bool, required: bool, capability: tuple[int, int], device_memory: int,
                        registry: KernelRegistry) -> tuple[KernelEntry, KernelEntry] | None:
     """(main kernel, dQ kernel) of the workspace route when the call takes it, else None.
 
@@ -149,7 +159,7 @@ def _workspace_kernels(q: torch.Tensor, sk: int, d_v: int, causal: str, determin
             raise UnsupportedError(f"the workspace route cannot run: {message}")
         log.debug("flashkiln backward: %s", message)
         return None
-    size = _workspace_elements(q, sk) * q.element_size()
+    size = _workspace_elements(shape, q.shape[1]) * q.element_size()
     budget = dq_routes.workspace_budget_bytes(device_memory)
     if not strict and size > budget:
         log.debug("flashkiln backward: dS workspace of %d MiB exceeds the budget of %d MiB (%s)",
@@ -170,7 +180,7 @@ def _check_gradient_buffer(name: str, buffer: torch.Tensor, like: torch.Tensor) 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, *, causal: str | None = None, scale: float | None = None,
                        bias: torch.Tensor | None = None, bias_grad: bool = False, sink: torch.Tensor | None = None,
-                       sink_grad: bool = False, deterministic: bool | None = None,
+                       sink_grad: bool = False, deterministic: bool | None = None, packed: PackedBatch | None = None,
                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
                        registry: KernelRegistry | None = None) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv) of attention_forward's `out` for the upstream gradient `dout`, then
@@ -187,8 +197,20 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     $FLASHKILN_BACKWARD_WORKSPACE_MIB (default: 1/16 of the GPU's memory). Gradients come back with their inputs' strides
     (contiguous where those strides are not 16-byte aligned), or in the buffers dq, dk, dv when
     given. A query row that saw no key gets a zero dq row.
+
+    packed: a packed variable-length batch, as given to the forward (flashkiln.varlen); every
+    token tensor is then (total, H, d) and lse (H_q, total_q). Tokens that lie in no sequence get
+    zero gradients (in buffers passed as dq, dk, dv they are left untouched).
     """
+    if packed is not None:
+        check_packed(q, k, v, packed)
+        q, k, v = (as_batched(t) for t in (q, k, v))
+        out, dout = batched_view("out", out, TOKENS), batched_view("dout", dout, TOKENS)
+        lse = batched_view("lse", lse, "(H_q, total_q)")
+        dq, dk, dv = (None if t is None else batched_view(name, t, TOKENS)
+                      for name, t in (("dq", dq), ("dk", dk), ("dv", dv)))
     inputs.check_qkv(q, k, v)
+    shape = BatchShape.of(q, k, packed)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
     _check_backward_tensors(dout, q, out, lse, v.shape[3])
     if q.device.type != "cuda":
@@ -200,41 +222,47 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         if buffer is None:
             with inputs.kernel_written_allocations():
                 buffer = inputs.empty_gradient_like(like)
+            if packed is not None:
+                buffer.zero_()  # the kernels write the tokens inside sequences only
         _check_gradient_buffer(name, buffer, like)
         grads.append(buffer)
     dq, dk, dv = grads
     if bias_grad and bias is None:
         inputs.fail("bias_grad=True needs the bias")
-    kernel_bias = None if bias is None else prepare_bias(bias, q, k.shape[2])
+    kernel_bias = None if bias is None else prepare_bias(bias, shape.scores(q.shape[1]), q)
     if bias_grad and bias.dtype == torch.bool:
         inputs.fail("a boolean mask has no gradient: pass bias_grad=False")
     if sink_grad and sink is None:
         inputs.fail("sink_grad=True needs the sink")
     if sink is not None:
         prepare_sink(sink, q)  # checks only: the kernels read the forward's sink-inclusive lse
-    b, hq, sq, _ = q.shape
-    if b * hq == 0 or sq == 0 or k.shape[2] == 0:
+    hq = q.shape[1]
+    if hq == 0 or shape.is_empty():
         # No query or no key: every gradient is zero (and possibly empty).
-        zeros = (torch.zeros(kernel_bias.shape, dtype=q.dtype, device=q.device),) if bias_grad else ()
-        zeros += (torch.zeros_like(sink),) if sink_grad else ()
-        return dq.zero_(), dk.zero_(), dv.zero_(), *zeros
+        extra = (torch.zeros(kernel_bias.shape, dtype=q.dtype, device=q.device),) if bias_grad else ()
+        extra += (torch.zeros_like(sink),) if sink_grad else ()
+        return (*_unbatched((dq.zero_(), dk.zero_(), dv.zero_()), packed), *extra)
     q, k, v, out, dout = (inputs.kernel_layout(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     registry = registry or default_registry()
     target = Target.of(q)
     plan = plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal_mode, scale, deterministic,
-                         target.capability, target.memory, registry, kernel_bias, bias_grad)
+                         target.capability, target.memory, registry, kernel_bias, bias_grad, packed)
     log.debug("flashkiln backward: %s, dq route %s", plan.launches[1].entry.name, plan.route)
     run(registry, target, plan.launches)
-    if bias_grad:
-        dbias = bias_gradient(plan.workspaces[3], kernel_bias)
+    extra = (bias_gradient(plan.workspaces[3], kernel_bias),) if bias_grad else ()
     if plan.dk_accum is not None:
         # GQA: sum each group's per-query-head gradients (a fixed-order, deterministic reduction).
-        hkv = k.shape[1]
+        layout_batches, hkv = k.shape[:2]
         group = hq // hkv
-        dk.copy_(plan.dk_accum.view(b, hkv, group, *plan.dk_accum.shape[2:]).sum(2))
-        dv.copy_(plan.dv_accum.view(b, hkv, group, *plan.dv_accum.shape[2:]).sum(2))
-    extra = (dbias,) if bias_grad else ()
+        dk.copy_(plan.dk_accum.view(layout_batches, hkv, group, *plan.dk_accum.shape[2:]).sum(2))
+        dv.copy_(plan.dv_accum.view(layout_batches, hkv, group, *plan.dv_accum.shape[2:]).sum(2))
     if sink_grad:
-        extra += (sink_gradient(sink, lse, plan.workspaces[0]),)
-    return (dq, dk, dv, *extra)
+        rows = None if packed is None else token_mask(packed, shape.total_q)
+        extra += (sink_gradient(sink, lse, plan.workspaces[0], rows),)
+    return (*_unbatched((dq, dk, dv), packed), *extra)
+
+
+def _unbatched(grads: tuple[torch.Tensor, ...], packed: PackedBatch | None) -> tuple[torch.Tensor, ...]:
+    """The gradients in the callers' layout: (total, H, d) again for a packed batch."""
+    return grads if packed is None else tuple(as_tokens(g) for g in grads)

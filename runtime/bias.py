@@ -45,9 +45,10 @@ def _readable_in_pieces(t: torch.Tensor) -> bool:
     return row_end * t.element_size() <= t.untyped_storage().nbytes()
 
 
-def prepare_bias(bias: torch.Tensor, q: torch.Tensor, seqlen_k: int) -> KernelBias:
-    """Check `bias` against q (B, H_q, S_q, d) and S_k and give the view the kernels read."""
-    full = (*q.shape[:3], seqlen_k)
+def prepare_bias(bias: torch.Tensor, scores: tuple[int, int, int, int], q: torch.Tensor) -> KernelBias:
+    """Check `bias` against the scores' shape (B, H_q, S_q, S_k) and q's dtype and device, and give
+    the view the kernels read."""
+    full = tuple(scores)
     if not isinstance(bias, torch.Tensor):
         inputs.fail(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
     if bias.device != q.device:
@@ -85,13 +86,12 @@ def bias_gradient(workspace: torch.Tensor, bias: KernelBias) -> torch.Tensor:
     return ds.reshape(bias.shape)
 
 
-def empty_bias_gradient(bias: torch.Tensor, q: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+def empty_bias_gradient(bias: torch.Tensor, scores: tuple[int, int, int, int], q: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor with the shape and strides bias_gradient gives (for the custom op's fake)."""
-    full = (*q.shape[:3], seqlen_k)
-    if _broadcast_dims(tuple(bias.shape), full):
+    if _broadcast_dims(tuple(bias.shape), scores):
         return q.new_empty(bias.shape)
-    rows = q.new_empty((*full[:3], ds_row_elements(seqlen_k)))
-    return rows[..., :seqlen_k].reshape(bias.shape)
+    rows = q.new_empty((*scores[:3], ds_row_elements(scores[3])))
+    return rows[..., :scores[3]].reshape(bias.shape)
 
 
 def _broadcast_dims(shape: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, ...]:

@@ -11,14 +11,18 @@ from .launch import KernelLaunch, Target, ceil_div, request, run
 from .params import FwdParams
 from .registry import KernelRegistry, default_registry
 from .sinks import prepare_sink
+from .varlen import TOKENS, BatchShape, PackedBatch, as_batched, as_tokens, batched_view, check_packed
 
 
 def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  causal: str, scale: float, bias: KernelBias | None, capability: tuple[int, int],
-                 registry: KernelRegistry, sink: torch.Tensor | None = None) -> KernelLaunch:
-    """Choose the kernel and pack its parameters; q, k, v, out, lse and bias are already checked."""
-    b, hq, sq, dqk = q.shape
-    _, hkv, sk, dv = v.shape
+                 registry: KernelRegistry, sink: torch.Tensor | None = None,
+                 packed: PackedBatch | None = None) -> KernelLaunch:
+    """Choose the kernel and pack its parameters; q, k, v, out, lse and bias are already checked
+    (for a packed batch: their (1, H, total, d) views)."""
+    _, hq, _, dqk = q.shape
+    _, hkv, _, dv = v.shape
+    shape = BatchShape.of(q, k, packed)
     entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal, bias=bias is not None),
                           capability)
     params = FwdParams(
@@ -26,16 +30,15 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         bias=0 if bias is None else bias.tensor.data_ptr(), sink=0 if sink is None else sink.data_ptr(),
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
         **inputs.stride_fields("o", out), **(bias.stride_fields() if bias is not None else {}),
-        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk,
-        scale=scale, scale_log2=scale * math.log2(math.e),
+        heads_q=hq, heads_kv=hkv, **shape.params(), scale=scale, scale_log2=scale * math.log2(math.e),
     )
-    return KernelLaunch(entry, (ceil_div(sq, entry.descriptor["tile_m"]), hq, b), params)
+    return KernelLaunch(entry, (ceil_div(shape.seqlen_q, entry.descriptor["tile_m"]), hq, shape.batch), params)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,
                       scale: float | None = None, bias: torch.Tensor | None = None,
-                      sink: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None,
+                      sink: torch.Tensor | None = None, packed: PackedBatch | None = None,
+                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                       registry: KernelRegistry | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward: softmax(scale * q kᵀ + bias, causal mask) v and its log-sum-exp.
 
@@ -49,10 +52,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     Returns out (B, H_q, S_q, d_v), in q's memory order, and lse (B, H_q, S_q) in fp32 (natural
     log; -inf for a query that sees no key, whose output row is 0). `out` and `lse` may be given
     preallocated. No autograd here: see flashkiln.scaled_dot_product_attention.
+
+    packed: a packed variable-length batch (flashkiln.varlen): q (total_q, H_q, d_qk), k and v
+    (total_k, H_kv, d), out (total_q, H_q, d_v) and lse (H_q, total_q); causal masks and a bias
+    (broadcastable to (B, H_q, max_seqlen_q, max_seqlen_k), sequence b reading the top-left
+    corner of entry b) apply per sequence.
     """
+    if packed is not None:
+        check_packed(q, k, v, packed)
+        out = None if out is None else batched_view("out", out, TOKENS)
+        lse = None if lse is None else batched_view("lse", lse, "(H_q, total_q)")
+        q, k, v = (as_batched(t) for t in (q, k, v))
     inputs.check_qkv(q, k, v)
+    shape = BatchShape.of(q, k, packed)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
-    kernel_bias = None if bias is None else prepare_bias(bias, q, k.shape[2])
+    kernel_bias = None if bias is None else prepare_bias(bias, shape.scores(q.shape[1]), q)
     kernel_sink = None if sink is None else prepare_sink(sink, q)
     if q.device.type != "cuda":
         inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
@@ -60,11 +74,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     out = inputs.empty_in_memory_order(q, d_v) if out is None else out
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
     inputs.check_forward_outputs(q, out, lse, d_v)
-    if out.numel() == 0:
-        return out, lse
-    q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
-    registry = registry or default_registry()
-    target = Target.of(q)
-    run(registry, target, [plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias, target.capability,
-                                        registry, kernel_sink)])
+    if out.numel() and shape.batch and shape.seqlen_q:  # (no key is for the kernel: O = 0, LSE = -inf)
+        q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
+        registry = registry or default_registry()
+        target = Target.of(q)
+        run(registry, target, [plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias, target.capability,
+                                            registry, kernel_sink, packed)])
+    if packed is not None:
+        out, lse = as_tokens(out), as_tokens(lse)
     return out, lse
+

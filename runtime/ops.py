@@ -17,23 +17,49 @@ from .backward import attention_backward
 from .bias import empty_bias_gradient
 from .errors import InvalidInputError, UnsupportedError
 from .forward import attention_forward
+from .varlen import PackedBatch, as_batched, as_tokens
 
 
 def _causal_arg(causal: str) -> Optional[str]:
     return None if causal == "none" else causal
 
 
+def _packed(cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int,
+            max_seqlen_k: int) -> Optional[PackedBatch]:
+    """The ops' flat varlen arguments as a PackedBatch (None for a dense batch)."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return None
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise InvalidInputError("a packed batch needs both cu_seqlens_q and cu_seqlens_k")
+    return PackedBatch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _scores_shape(q: torch.Tensor, k: torch.Tensor, packed: Optional[PackedBatch]) -> tuple[int, int, int, int]:
+    if packed is None:
+        return (*q.shape[:3], k.shape[2])
+    return packed.batch, q.shape[1], packed.max_seqlen_q, packed.max_seqlen_k
+
+
 @torch.library.custom_op("flashkiln::attention_forward", mutates_args=())
 def attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                         sink: Optional[torch.Tensor], causal: str, scale: float,
-                         deterministic: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); `deterministic` is only carried to the backward."""
-    out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), scale=scale, bias=bias, sink=sink)
+                         sink: Optional[torch.Tensor], causal: str, scale: float, deterministic: Optional[bool],
+                         cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                         max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); `deterministic` is only carried to the backward. With cu_seqlens, a packed
+    batch (flashkiln.varlen)."""
+    out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), scale=scale, bias=bias, sink=sink,
+                                 packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return out, lse
 
 
 @attention_forward_op.register_fake
-def _(q, k, v, bias, sink, causal, scale, deterministic):
+def _(q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+      max_seqlen_k=0):
+    if _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) is not None:
+        q, k, v = (as_batched(t) for t in (q, k, v))
+        checks.check_qkv(q, k, v)
+        out = checks.empty_in_memory_order(q, v.shape[-1])
+        return as_tokens(out), q.new_empty((q.shape[1], q.shape[2]), dtype=torch.float32)
     checks.check_qkv(q, k, v)
     return checks.empty_in_memory_order(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -42,38 +68,47 @@ def _(q, k, v, bias, sink, causal, scale, deterministic):
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor], bias_grad: bool,
                           sink: Optional[torch.Tensor], sink_grad: bool, causal: str, scale: float,
-                          deterministic: Optional[bool]
+                          deterministic: Optional[bool], cu_seqlens_q: Optional[torch.Tensor] = None,
+                          cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias, dsink); dbias and dsink are empty tensors unless asked for."""
     dq, dk, dv, *extra = attention_backward(dout, q, k, v, out, lse, causal=_causal_arg(causal), scale=scale,
                                             bias=bias, bias_grad=bias_grad, sink=sink, sink_grad=sink_grad,
-                                            deterministic=deterministic)
+                                            deterministic=deterministic,
+                                            packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     dbias = extra.pop(0) if bias_grad else q.new_empty(0)
     dsink = extra.pop(0) if sink_grad else q.new_empty(0)
     return dq, dk, dv, dbias, dsink
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, bias, bias_grad, sink, sink_grad, causal, scale, deterministic):
-    dbias = empty_bias_gradient(bias, q, k.shape[2]) if bias_grad else q.new_empty(0)
+def _(dout, q, k, v, out, lse, bias, bias_grad, sink, sink_grad, causal, scale, deterministic, cu_seqlens_q=None,
+      cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if packed is not None:
+        q, k, v = (as_batched(t) for t in (q, k, v))
+    dbias = empty_bias_gradient(bias, _scores_shape(q, k, packed), q) if bias_grad else q.new_empty(0)
     dsink = sink.new_empty(sink.shape) if sink_grad else q.new_empty(0)
-    return (*(checks.empty_gradient_like(t) for t in (q, k, v)), dbias, dsink)
+    grads = tuple(checks.empty_gradient_like(t) for t in (q, k, v))
+    return (*(grads if packed is None else (as_tokens(g) for g in grads)), dbias, dsink)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, sink, causal, scale, deterministic = inputs
+    q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, bias, sink, out, lse)
+    ctx.save_for_backward(q, k, v, bias, sink, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.max_seqlen = (max_seqlen_q, max_seqlen_k)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, bias, sink, out, lse = ctx.saved_tensors
+    q, k, v, bias, sink, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     bias_grad, sink_grad = bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])
     # The LSE output is a statistic for the backward, not differentiable here.
     dq, dk, dv, dbias, dsink = attention_backward_op(dout, q, k, v, out, lse, bias, bias_grad, sink, sink_grad,
-                                                     ctx.causal, ctx.scale, ctx.deterministic)
-    return dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None, None, None, None
+                                                     ctx.causal, ctx.scale, ctx.deterministic, cu_seqlens_q,
+                                                     cu_seqlens_k, *ctx.max_seqlen)
+    return (dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None) + (None,) * 7
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -112,3 +147,24 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     out, _ = attention_forward_op(query, key, value, attn_mask, sink, "top_left" if is_causal else "none", scale,
                                   deterministic)
     return out.squeeze(1) if three_d else out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: Optional[str] = None, scale: Optional[float] = None,
+                     bias: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
+                     deterministic: Optional[bool] = None) -> torch.Tensor:
+    """Attention over a packed batch of variable-length sequences, differentiable (flashkiln.varlen).
+
+    q: (total_q, H_q, d_qk), k: (total_k, H_kv, d_qk), v: (total_k, H_kv, d_v); sequence b is
+    tokens cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
+    and v (int32, batch + 1 offsets, as in flash_attn_varlen_func; zero-length sequences are
+    fine), max_seqlen_q/k their longest lengths. causal: None, "top_left" or "bottom_right", per
+    sequence. bias: additive, broadcastable to (batch, H_q, max_seqlen_q, max_seqlen_k), or a bool
+    mask; sequence b reads bias[b, :, :len_q, :len_k]. sink: (H_q,) sink logits. Returns
+    (total_q, H_q, d_v); rows of tokens past the last sequence are unspecified (not written).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, _ = attention_forward_op(q, k, v, bias, sink, causal or "none", scale, deterministic, cu_seqlens_q,
+                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return out

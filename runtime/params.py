@@ -13,6 +13,11 @@ import hashlib
 from dataclasses import dataclass
 
 
+# Each sequence's rows in BwdParams.dq_accum are rounded up to this, so whole query tiles add
+# unguarded: the mirror of kDqAccumRowAlign in templates/include/flashkiln/sequence.hpp.
+DQ_ACCUM_ROW_ALIGN = 128
+
+
 class FwdParams(ctypes.Structure):
     _fields_ = [
         # Device addresses (integers, so that the C++ side can check this layout in constexpr).
@@ -23,6 +28,8 @@ class FwdParams(ctypes.Structure):
         ("lse", ctypes.c_uint64),
         ("bias", ctypes.c_uint64),
         ("sink", ctypes.c_uint64),
+        ("cu_seqlens_q", ctypes.c_uint64),
+        ("cu_seqlens_k", ctypes.c_uint64),
         # Strides in elements; the head dim (the key dim for the bias) is always contiguous.
         ("q_batch_stride", ctypes.c_int64),
         ("q_head_stride", ctypes.c_int64),
@@ -44,6 +51,8 @@ class FwdParams(ctypes.Structure):
         ("heads_kv", ctypes.c_int32),
         ("seqlen_q", ctypes.c_int32),
         ("seqlen_k", ctypes.c_int32),
+        ("total_q", ctypes.c_int32),
+        ("total_k", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
         ("_pad0", ctypes.c_int32),
@@ -58,13 +67,16 @@ class BwdParams(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_uint64) for name in (
             "q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dq", "dk", "dv", "dk_accum", "dv_accum",
-            "dq_semaphore", "ds_workspace", "bias")),
+            "dq_semaphore", "ds_workspace", "bias", "cu_seqlens_q", "cu_seqlens_k")),
         *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv", "bias"),
+        ("dq_accum_rows", ctypes.c_int64),
         ("batch", ctypes.c_int32),
         ("heads_q", ctypes.c_int32),
         ("heads_kv", ctypes.c_int32),
         ("seqlen_q", ctypes.c_int32),
         ("seqlen_k", ctypes.c_int32),
+        ("total_q", ctypes.c_int32),
+        ("total_k", ctypes.c_int32),
         ("seqlen_q_rounded", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),

@@ -27,7 +27,12 @@ def prepare_sink(sink: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return sink.detach().to(torch.float32).contiguous()
 
 
-def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """dSink (H_q,) in sink's dtype from the forward's LSE and the backward's delta (B, H_q, S_q)."""
-    weight = torch.exp(sink.detach().float()[None, :, None] - lse)
-    return (-(weight * delta).sum(dim=(0, 2))).to(sink.dtype)
+def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """dSink (H_q,) in sink's dtype from the forward's LSE and the backward's delta (B, H_q, S_q),
+    summing over the query rows where the bool (S_q,) `rows` is True (all by default: a packed
+    batch's rows outside its sequences hold no values)."""
+    terms = torch.exp(sink.detach().float()[None, :, None] - lse) * delta
+    if rows is not None:
+        terms = torch.where(rows, terms, 0.0)
+    return (-terms.sum(dim=(0, 2))).to(sink.dtype)

@@ -69,7 +69,7 @@ def test_plan_launches_pre_main_post_with_their_grids(registry, monkeypatch):
     pre, main, post = p.launches
     assert [l.entry.descriptor["kernel"] for l in p.launches] == ["bwd_pre", "bwd", "bwd_post"]
     assert main.grid == (math.ceil(300 / 128), 4, 2)
-    assert pre.grid == (128 // 16, 4, 2)  # 100 query rows rounded up to tile_m = 64 -> 128
+    assert pre.grid == (128 // 16, 4, 2)  # 100 query rows rounded up to 128 (the dQ accumulator rounds to 128)
     assert post.grid == (math.ceil(100 / 16), 4, 2)
     assert main.params.seqlen_q_rounded == 128 and main.params.scale == 0.125
     assert abs(main.params.scale_log2 - 0.125 * math.log2(math.e)) < 1e-6

@@ -22,7 +22,7 @@ def q_like(b=2, hq=4, sq=100, d=64):
 ])
 def test_broadcast_dims_become_zero_strides_without_copies(shape, broadcast):
     bias = torch.randn(shape, dtype=torch.bfloat16)
-    kb = prepare_bias(bias, q_like(), 64)
+    kb = prepare_bias(bias, (2, 4, 100, 64), q_like())
     assert kb.tensor.shape == (2, 4, 100, 64) and kb.broadcast_dims == broadcast and kb.shape == shape
     assert kb.tensor.data_ptr() == bias.data_ptr()  # read in place
     assert all(kb.tensor.stride(d) == 0 for d in broadcast if d < 3) and kb.tensor.stride(3) == 1
@@ -31,16 +31,16 @@ def test_broadcast_dims_become_zero_strides_without_copies(shape, broadcast):
 
 def test_rows_that_are_not_whole_16_byte_pieces_are_padded():
     bias = torch.randn(2, 4, 100, 61, dtype=torch.bfloat16)
-    kb = prepare_bias(bias, q_like(), 61)
+    kb = prepare_bias(bias, (2, 4, 100, 61), q_like())
     assert kb.tensor.stride(2) == 64 and torch.equal(kb.tensor, bias)
     # A bias broadcast over keys is a per-row constant, materialized (and summed in dBias).
-    kb = prepare_bias(torch.randn(1, 1, 100, 1, dtype=torch.bfloat16), q_like(), 64)
+    kb = prepare_bias(torch.randn(1, 1, 100, 1, dtype=torch.bfloat16), (2, 4, 100, 64), q_like())
     assert kb.tensor.stride(3) == 1 and kb.broadcast_dims == (0, 1, 3)
 
 
 def test_a_boolean_mask_becomes_zero_or_minus_infinity():
     mask = torch.rand(100, 64) < 0.5
-    kb = prepare_bias(mask, q_like(), 64)
+    kb = prepare_bias(mask, (2, 4, 100, 64), q_like())
     assert kb.tensor.dtype == torch.bfloat16
     assert torch.equal(torch.isneginf(kb.tensor[0, 0]), ~mask) and (kb.tensor[0, 0][mask] == 0).all()
 
@@ -69,12 +69,12 @@ def test_dbias_is_the_dense_workspace_or_its_sum_over_broadcast_dims():
     q = torch.empty(b, h, sq, 64, dtype=torch.bfloat16)
     for shape, dims in (((b, h, sq, sk), ()), ((1, h, sq, sk), (0,)), ((sq, sk), (0, 1)), ((b, 1, 1, sk), (1, 2))):
         bias = torch.zeros(shape, dtype=torch.bfloat16)
-        got = bias_gradient(workspace, prepare_bias(bias, q, sk))
+        got = bias_gradient(workspace, prepare_bias(bias, (*q.shape[:3], sk), q))
         expected = ds.float().sum(dims, keepdim=True).to(torch.bfloat16) if dims else ds
         assert got.shape == shape and torch.equal(got, expected.reshape(shape))
         # The custom op's fake gives the same strides, and a full bias's gradient is a view.
-        assert empty_bias_gradient(bias, q, sk).stride() == got.stride()
-    assert bias_gradient(workspace, prepare_bias(torch.zeros(b, h, sq, sk, dtype=torch.bfloat16), q, sk)).data_ptr() \
+        assert empty_bias_gradient(bias, (*q.shape[:3], sk), q).stride() == got.stride()
+    assert bias_gradient(workspace, prepare_bias(torch.zeros(b, h, sq, sk, dtype=torch.bfloat16), (b, h, sq, sk), q)).data_ptr() \
         == workspace.data_ptr()
 
 
@@ -86,7 +86,7 @@ def registry(tmp_path):
 
 def plan(registry, causal="none", bias_grad=True, deterministic=False):
     dout, q, k, v, out, lse = tensors()
-    kb = prepare_bias(torch.randn(1, 4, 100, 300, dtype=torch.bfloat16), q, 300)
+    kb = prepare_bias(torch.randn(1, 4, 100, 300, dtype=torch.bfloat16), (*q.shape[:3], 300), q)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     return plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), H200_MEMORY,
                          registry, kb, bias_grad)

@@ -84,19 +84,19 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_218_unique_variants():
+def test_default_specs_expand_to_236_unique_variants():
     variants = load_variants(REPO / "specs")
-    # fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128) + 30 (sm_90a, bias), bwd 60 + 30
-    # (deterministic, bias), bwd_pre and bwd_post 10 each, bwd_dq 30
-    assert len(variants) == 218
-    assert len({v.descriptor.hash for v in variants}) == 218
-    assert len({v.descriptor.name for v in variants}) == 218
+    # fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128) + 30 (sm_90a, bias) + 18 (sm_80, bias),
+    # bwd 60 + 30 (deterministic, bias), bwd_pre and bwd_post 10 each, bwd_dq 30
+    assert len(variants) == 236
+    assert len({v.descriptor.hash for v in variants}) == 236
+    assert len({v.descriptor.name for v in variants}) == 236
     assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
     assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
         (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     kinds = [v.descriptor.kernel for v in variants]
-    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [78, 90, 10, 10, 30]
-    assert sum(v.descriptor.bias == "additive" for v in variants) == 60
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [96, 90, 10, 10, 30]
+    assert sum(v.descriptor.bias == "additive" for v in variants) == 78
     assert all(v.spec_file == SPEC for v in variants)
 
 

@@ -1,4 +1,5 @@
-"""A few small forward and backward calls with ragged shapes, for compute-sanitizer (memcheck, racecheck).
+"""A few small forward and backward calls with ragged shapes, dense and packed (varlen), for
+compute-sanitizer (memcheck, racecheck).
 
 Run on a GPU machine: compute-sanitizer --tool memcheck tools/pyenv.sh python3 tools/sanitize.py
 (set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation).
@@ -20,6 +21,23 @@ CASES = [  # (B, H_q, H_kv, S_q, S_k, d, causal, bias shape or None)
     (2, 3, 1, 113, 200, 256, "top_left", None),
     (1, 1, 1, 1, 1, 128, None, None),
 ]
+# Packed batches: (query lengths, key lengths, H_q, H_kv, d, causal, bias?), with zero-length
+# sequences and a token past the last sequence.
+PACKED_CASES = [
+    ((17, 0, 130), (129, 5, 0), 2, 1, 64, "bottom_right", True),
+    ((1, 70), (64, 70), 2, 2, 128, "top_left", False),
+]
+
+
+def backward_on_every_route(out, q, k, v, lse, bias, **kwargs) -> list[torch.Tensor]:
+    """A biased backward runs the deterministic routes only (and dBias the workspace one)."""
+    grads = []
+    for route in ROUTES if bias is None else ("ordered", "workspace"):
+        with mock.patch.dict(os.environ, {ROUTE_ENV: route}):
+            grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse,
+                                                  deterministic=route != "atomic", bias=bias,
+                                                  bias_grad=bias is not None and route == "workspace", **kwargs)
+    return grads
 
 
 def main() -> int:
@@ -31,17 +49,27 @@ def main() -> int:
         bias = None if bias_shape is None else torch.randn(bias_shape, device="cuda", dtype=torch.bfloat16)
         sink = torch.linspace(-1, 1, hq, device="cuda") if bias is None else None
         out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias, sink=sink)
-        grads = []
-        # A biased backward runs the deterministic routes only (and dBias the workspace one).
-        for route in ROUTES if bias is None else ("ordered", "workspace"):
-            with mock.patch.dict(os.environ, {ROUTE_ENV: route}):
-                grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=causal,
-                                                      deterministic=route != "atomic", bias=bias, sink=sink,
-                                                      bias_grad=bias is not None and route == "workspace")
+        grads = backward_on_every_route(out, q, k, v, lse, bias, causal=causal, sink=sink)
         torch.cuda.synchronize()
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
         print(f"B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} d={d} causal={causal} bias={bias_shape}: finite={finite}",
               flush=True)
+    for lengths_q, lengths_k, hq, hkv, d, causal, with_bias in PACKED_CASES[:limit]:
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                      for n in (lengths_q, lengths_k))
+        packed = flashkiln.PackedBatch(cu_q, cu_k, max(lengths_q), max(lengths_k))
+        q = torch.randn(sum(lengths_q) + 1, hq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(lengths_k) + 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        bias = torch.randn(len(lengths_q), hq, max(lengths_q), max(lengths_k), device="cuda",
+                           dtype=torch.bfloat16) if with_bias else None
+        sink = torch.linspace(-1, 1, hq, device="cuda")
+        out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias, sink=sink, packed=packed)
+        grads = backward_on_every_route(out, q, k, v, lse, bias, causal=causal, sink=sink, packed=packed)
+        torch.cuda.synchronize()
+        inside = slice(0, sum(lengths_q))
+        finite = bool(torch.isfinite(out[inside]).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+        print(f"packed q={lengths_q} k={lengths_k} Hq={hq} Hkv={hkv} d={d} causal={causal} bias={with_bias}: "
+              f"finite={finite}", flush=True)
     return 0
 
 

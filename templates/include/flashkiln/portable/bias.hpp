@@ -2,7 +2,9 @@
 // seqlen_k) read by strides (0 where it broadcasts) and a contiguous key dim whose rows the host
 // pads to whole 16-byte pieces. Tiles come through shared memory with 16-byte cp.async; each
 // thread then adds the entries of its accumulator fragment. The kernels keep the raw Q K^T in
-// their accumulators and apply the scale later, so the bias is added divided by the scale.
+// their accumulators and apply the scale later, so the bias is added divided by the scale. In a
+// packed batch, sequence b reads the top-left corner of plane b, whose sides are the longest
+// sequence lengths.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -9,6 +9,7 @@
 
 #include <flashkiln/common.hpp>
 #include <flashkiln/params.hpp>
+#include <flashkiln/sequence.hpp>
 #include <flashkiln/portable/bwd_tiles.hpp>
 #include <flashkiln/portable/bwd_traits.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
@@ -30,16 +31,22 @@ __device__ __forceinline__ void bwd_dq_kernel(BwdParams const& p) {
   const int m_block = T::kCausal != Causal::none ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
+  const Sequence seq = sequence_of(p, batch);
+  if (m_block * kBlockM >= seq.seqlen_q) {
+    return;  // a packed batch's grid covers its longest sequence
+  }
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int64_t bh = int64_t(batch) * p.heads_q + head;
-  const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  const int causal_offset = T::kCausal == Causal::bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
   const int n_end =
-      visiting_key_tiles<T::kCausal, kBlockM, kBlockN>(m_block, ceil_div(p.seqlen_k, kBlockN), causal_offset);
+      visiting_key_tiles<T::kCausal, kBlockM, kBlockN>(m_block, ceil_div(seq.seqlen_k, kBlockN), causal_offset);
 
-  auto k_base = reinterpret_cast<Element const*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
-  auto dq_base = reinterpret_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
-  Tensor gK = gmem_tiles<kBlockN, kDimQK>(k_base, p.seqlen_k, p.k_row_stride, _);  // (N, dqk, n)
-  Tensor gdQ = gmem_tiles<kBlockM, kDimQK>(dq_base, p.seqlen_q, p.dq_row_stride, m_block);  // (M, dqk)
+  auto k_base = reinterpret_cast<Element const*>(p.k) + seq.k_offset(p.k_batch_stride, p.k_row_stride) +
+                head_kv * p.k_head_stride;
+  auto dq_base = reinterpret_cast<Element*>(p.dq) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride) +
+                 head * p.dq_head_stride;
+  Tensor gK = gmem_tiles<kBlockN, kDimQK>(k_base, seq.seqlen_k, p.k_row_stride, _);  // (N, dqk, n)
+  Tensor gdQ = gmem_tiles<kBlockM, kDimQK>(dq_base, seq.seqlen_q, p.dq_row_stride, m_block);  // (M, dqk)
 
   Element* smem_ds = reinterpret_cast<Element*>(smem);
   Element* smem_k = smem_ds + T::kStages * T::kElemsdS;
@@ -61,10 +68,10 @@ __device__ __forceinline__ void bwd_dq_kernel(BwdParams const& p) {
   Tensor gdS = ds_workspace_tiles<Element, kBlockM, kBlockN>(p, bh);  // (M, N, m, n)
   auto load_tiles = [&](int n_block, int stage) {
     copy_rows_cols<true>(load_ds, thr_load_ds.partition_S(gdS(_, _, m_block, n_block)),
-                         at_offset(tdSsdS, stage * T::kElemsdS), tdScdS, p.seqlen_q - m_block * kBlockM,
-                         p.seqlen_k - n_block * kBlockN);
+                         at_offset(tdSsdS, stage * T::kElemsdS), tdScdS, seq.seqlen_q - m_block * kBlockM,
+                         seq.seqlen_k - n_block * kBlockN);
     copy_rows<true>(load_k, tKgK(_, _, _, n_block), at_offset(tKsK, stage * T::kElemsK), tKcK,
-                    p.seqlen_k - n_block * kBlockN);
+                    seq.seqlen_k - n_block * kBlockN);
   };
 
   // ---- dQ = sum over n of dS_n K_n ---------------------------------------------------------------
@@ -107,7 +114,7 @@ __device__ __forceinline__ void bwd_dq_kernel(BwdParams const& p) {
   // Rows that no key tile visits (they see no key) get zeros, as the convention asks.
   store_accumulator(acc, thr_mma.partition_C(gdQ),
                     thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDimQK>>{})), p.scale,
-                    p.seqlen_q - m_block * kBlockM);
+                    seq.seqlen_q - m_block * kBlockM);
 }
 
 }  // namespace flashkiln::portable

@@ -12,6 +12,7 @@
 
 #include <flashkiln/common.hpp>
 #include <flashkiln/params.hpp>
+#include <flashkiln/sequence.hpp>
 #include <flashkiln/portable/bias.hpp>
 #include <flashkiln/portable/bwd_tiles.hpp>
 #include <flashkiln/portable/bwd_traits.hpp>
@@ -54,35 +55,44 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
 
   extern __shared__ __align__(128) char smem[];
   const int tidx = threadIdx.x;
-  const int n_tiles = gridDim.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const Sequence seq = sequence_of(p, batch);
+  const int n_tiles = ceil_div(seq.seqlen_k, kBlockN);  // gridDim.x, unless a packed batch's is shorter
   // Ordered dQ route: key tiles add into each query tile from the last one down (see below), and
   // each CTA may only wait for CTAs launched before it, so tile n_tiles - 1 gets the first CTA.
   // Otherwise tile 0 goes first: under a causal mask it visits the most query tiles.
   const bool ordered_dq = T::kDeterministic && p.ds_workspace == 0;
   const int n_block = ordered_dq ? n_tiles - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  if (n_block < 0 || n_block >= n_tiles) {
+    return;
+  }
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
-  const int k_rows = min(kBlockN, p.seqlen_k - n_block * kBlockN);
-  const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+  const int causal_offset = T::kCausal == Causal::bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
+  const int k_rows = min(kBlockN, seq.seqlen_k - n_block * kBlockN);
+  const int m_blocks = ceil_div(seq.seqlen_q, kBlockM);
   const int m_begin = first_query_tile<T::kCausal, kBlockM, kBlockN>(n_block, causal_offset);
   const int64_t bh = int64_t(batch) * p.heads_q + head;
 
   // ---- global tensors ---------------------------------------------------------------------------
-  auto q_base = reinterpret_cast<Element const*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
-  auto do_base = reinterpret_cast<Element const*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
-  auto k_base = reinterpret_cast<Element const*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
-  auto v_base = reinterpret_cast<Element const*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
-  float const* lse = reinterpret_cast<float const*>(p.lse) + bh * p.seqlen_q;
-  float const* delta = reinterpret_cast<float const*>(p.delta) + bh * p.seqlen_q;
-  Tensor gQ = gmem_tiles<kBlockM, kDimQK>(q_base, p.seqlen_q, p.q_row_stride, _);     // (M, dqk, m)
-  Tensor gdO = gmem_tiles<kBlockM, kDimV>(do_base, p.seqlen_q, p.do_row_stride, _);   // (M, dv, m)
-  Tensor gK = gmem_tiles<kBlockN, kDimQK>(k_base, p.seqlen_k, p.k_row_stride, n_block);  // (N, dqk)
-  Tensor gV = gmem_tiles<kBlockN, kDimV>(v_base, p.seqlen_k, p.v_row_stride, n_block);   // (N, dv)
-  // The dQ accumulator has seqlen_q_rounded rows per head, so whole tiles can be added unguarded.
-  Tensor gdQacc = gmem_tiles<kBlockM, kDimQK>(reinterpret_cast<float*>(p.dq_accum) + bh * p.seqlen_q_rounded * kDimQK,
-                                              p.seqlen_q_rounded, kDimQK, _);  // (M, dqk, m)
+  auto q_base = reinterpret_cast<Element const*>(p.q) + seq.q_offset(p.q_batch_stride, p.q_row_stride) +
+                head * p.q_head_stride;
+  auto do_base = reinterpret_cast<Element const*>(p.dout) + seq.q_offset(p.do_batch_stride, p.do_row_stride) +
+                 head * p.do_head_stride;
+  auto k_base = reinterpret_cast<Element const*>(p.k) + seq.k_offset(p.k_batch_stride, p.k_row_stride) +
+                head_kv * p.k_head_stride;
+  auto v_base = reinterpret_cast<Element const*>(p.v) + seq.k_offset(p.v_batch_stride, p.v_row_stride) +
+                head_kv * p.v_head_stride;
+  float const* lse = reinterpret_cast<float const*>(p.lse) + seq.q_row(p, head);
+  float const* delta = reinterpret_cast<float const*>(p.delta) + seq.q_row(p, head);
+  Tensor gQ = gmem_tiles<kBlockM, kDimQK>(q_base, seq.seqlen_q, p.q_row_stride, _);     // (M, dqk, m)
+  Tensor gdO = gmem_tiles<kBlockM, kDimV>(do_base, seq.seqlen_q, p.do_row_stride, _);   // (M, dv, m)
+  Tensor gK = gmem_tiles<kBlockN, kDimQK>(k_base, seq.seqlen_k, p.k_row_stride, n_block);  // (N, dqk)
+  Tensor gV = gmem_tiles<kBlockN, kDimV>(v_base, seq.seqlen_k, p.v_row_stride, n_block);   // (N, dv)
+  // The dQ accumulator has whole tiles of rows per sequence, so tiles are added unguarded.
+  static_assert(kDqAccumRowAlign % kBlockM == 0, "the dQ accumulator rounds sequences to whole tiles");
+  Tensor gdQacc = gmem_tiles<kBlockM, kDimQK>(reinterpret_cast<float*>(p.dq_accum) + seq.dq_accum_row(p, head) * kDimQK,
+                                              seq.dq_accum_rows(), kDimQK, _);  // (M, dqk, m)
 
   // ---- shared tensors ---------------------------------------------------------------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -128,13 +138,13 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   Tensor tBcB = thr_load_bias.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   auto load_query_tile = [&](int m_block, int stage) {
-    const int rows = p.seqlen_q - m_block * kBlockM;
+    const int rows = seq.seqlen_q - m_block * kBlockM;
     copy_rows<true>(load_qk, tQgQ(_, _, _, m_block), at_offset(tQsQ, stage * T::kElemsQ), tQcQ, rows);
     copy_rows<true>(load_vo, tdOgdO(_, _, _, m_block), at_offset(tdOsdO, stage * T::kElemsdO), tdOcdO, rows);
     if constexpr (T::kBias) {
       Tensor gBias = gmem_bias_tiles<kBlockM, kBlockN, Element>(p, batch, head)(_, _, m_block, n_block);
       copy_rows_cols<true>(load_bias, thr_load_bias.partition_S(gBias), at_offset(tBsB, stage * T::kElemsBias),
-                           tBcB, rows, p.seqlen_k - n_block * kBlockN);
+                           tBcB, rows, seq.seqlen_k - n_block * kBlockN);
     }
   };
 
@@ -257,9 +267,9 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int row = m_block * kBlockM + get<0>(tScS(r, 0));
-        const float l = row < p.seqlen_q ? lse[row] : -kInfinity;
+        const float l = row < seq.seqlen_q ? lse[row] : -kInfinity;
         lse_log2[r] = l == -kInfinity ? kInfinity : l * kLog2e;
-        row_delta[r] = row < p.seqlen_q ? delta[row] : 0.f;
+        row_delta[r] = row < seq.seqlen_q ? delta[row] : 0.f;
       }
 
       cp_async_wait<T::kStages - 1>();
@@ -279,9 +289,9 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
 
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
-      if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, p.seqlen_k,
+      if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, seq.seqlen_k,
                                                    causal_offset)) {
-        mask_scores<T::kCausal>(s, tScS, m_block * kBlockM, n_block * kBlockN, p.seqlen_k, causal_offset);
+        mask_scores<T::kCausal>(s, tScS, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k, causal_offset);
       }
       // P = exp(scale * s - lse) and dS = P (dP - delta), in place of the accumulators.
       CUTE_UNROLL
@@ -311,7 +321,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
           copy_rows_cols<false>(store_ds, thr_store_ds.partition_S(sdS),
                                 thr_store_ds.partition_D(ds_workspace_tiles<Element, kBlockM, kBlockN>(p, bh)(
                                     _, _, m_block, n_block)),
-                                tDScDS, p.seqlen_q - m_block * kBlockM, p.seqlen_k - n_block * kBlockN);
+                                tDScDS, seq.seqlen_q - m_block * kBlockM, seq.seqlen_k - n_block * kBlockN);
         }
       } else {
         atomic_add_fragment(tdQgdQacc(_, _, _, m_block), dq_contribution());
@@ -332,20 +342,22 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   Tensor cK = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimQK>>{}));
   Tensor cV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimV>>{}));
   if (p.heads_q == p.heads_kv) {
-    auto dk_base = reinterpret_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
-    auto dv_base = reinterpret_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
-    store_accumulator(acc_dk, thr_kv.partition_C(gmem_tiles<kBlockN, kDimQK>(dk_base, p.seqlen_k, p.dk_row_stride,
+    auto dk_base = reinterpret_cast<Element*>(p.dk) + seq.k_offset(p.dk_batch_stride, p.dk_row_stride) +
+                   head * p.dk_head_stride;
+    auto dv_base = reinterpret_cast<Element*>(p.dv) + seq.k_offset(p.dv_batch_stride, p.dv_row_stride) +
+                   head * p.dv_head_stride;
+    store_accumulator(acc_dk, thr_kv.partition_C(gmem_tiles<kBlockN, kDimQK>(dk_base, seq.seqlen_k, p.dk_row_stride,
                                                                              n_block)), cK, p.scale, k_rows);
-    store_accumulator(acc_dv, thr_kv.partition_C(gmem_tiles<kBlockN, kDimV>(dv_base, p.seqlen_k, p.dv_row_stride,
+    store_accumulator(acc_dv, thr_kv.partition_C(gmem_tiles<kBlockN, kDimV>(dv_base, seq.seqlen_k, p.dv_row_stride,
                                                                             n_block)), cV, 1.f, k_rows);
   } else {
     // Per query head in fp32; the host sums each group in a fixed order.
-    auto dk_base = reinterpret_cast<float*>(p.dk_accum) + bh * p.seqlen_k * kDimQK;
-    auto dv_base = reinterpret_cast<float*>(p.dv_accum) + bh * p.seqlen_k * kDimV;
-    store_accumulator(acc_dk, thr_kv.partition_C(gmem_tiles<kBlockN, kDimQK>(dk_base, p.seqlen_k, kDimQK, n_block)),
-                      cK, p.scale, k_rows);
-    store_accumulator(acc_dv, thr_kv.partition_C(gmem_tiles<kBlockN, kDimV>(dv_base, p.seqlen_k, kDimV, n_block)),
-                      cV, 1.f, k_rows);
+    auto dk_base = reinterpret_cast<float*>(p.dk_accum) + seq.k_row(p, head) * kDimQK;
+    auto dv_base = reinterpret_cast<float*>(p.dv_accum) + seq.k_row(p, head) * kDimV;
+    store_accumulator(acc_dk, thr_kv.partition_C(gmem_tiles<kBlockN, kDimQK>(dk_base, seq.seqlen_k, kDimQK,
+                                                                             n_block)), cK, p.scale, k_rows);
+    store_accumulator(acc_dv, thr_kv.partition_C(gmem_tiles<kBlockN, kDimV>(dv_base, seq.seqlen_k, kDimV,
+                                                                            n_block)), cV, 1.f, k_rows);
   }
 }
 

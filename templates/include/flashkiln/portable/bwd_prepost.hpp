@@ -9,6 +9,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include <flashkiln/params.hpp>
+#include <flashkiln/sequence.hpp>
 
 namespace flashkiln::portable {
 
@@ -42,13 +43,12 @@ __device__ __forceinline__ void bwd_preprocess(BwdParams const& p) {
   const int lane = threadIdx.x % kRowLanes;
   const int row = blockIdx.x * T::kRowsPerCta + threadIdx.x / kRowLanes;
   const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int64_t bh = int64_t(batch) * p.heads_q + head;
+  const Sequence seq = sequence_of(p, blockIdx.z);
 
-  if (row < p.seqlen_q) {
-    auto o_row = reinterpret_cast<Element const*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                 row * p.o_row_stride;
-    auto do_row = reinterpret_cast<Element const*>(p.dout) + batch * p.do_batch_stride +
+  if (row < seq.seqlen_q) {
+    auto o_row = reinterpret_cast<Element const*>(p.o) + seq.q_offset(p.o_batch_stride, p.o_row_stride) +
+                 head * p.o_head_stride + row * p.o_row_stride;
+    auto do_row = reinterpret_cast<Element const*>(p.dout) + seq.q_offset(p.do_batch_stride, p.do_row_stride) +
                   head * p.do_head_stride + row * p.do_row_stride;
     float sum = 0.f;
     for (int col = lane * T::kVec; col < T::kDimV; col += kRowLanes * T::kVec) {
@@ -61,12 +61,12 @@ __device__ __forceinline__ void bwd_preprocess(BwdParams const& p) {
     }
     sum = row_group_sum(sum);
     if (lane == 0) {
-      reinterpret_cast<float*>(p.delta)[bh * p.seqlen_q + row] = sum;
+      reinterpret_cast<float*>(p.delta)[seq.q_row(p, head) + row] = sum;
     }
   }
-  if (p.dq_accum != 0 && row < p.seqlen_q_rounded) {
+  if (p.dq_accum != 0 && row < seq.dq_accum_rows()) {
     float4* acc = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.dq_accum) +
-                                            (bh * p.seqlen_q_rounded + row) * T::kDimQK);
+                                            (seq.dq_accum_row(p, head) + row) * T::kDimQK);
     for (int i = lane; i < T::kDimQK / 4; i += kRowLanes) {
       acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -80,14 +80,13 @@ __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
   const int lane = threadIdx.x % kRowLanes;
   const int row = blockIdx.x * T::kRowsPerCta + threadIdx.x / kRowLanes;
   const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  if (row >= p.seqlen_q) {
+  const Sequence seq = sequence_of(p, blockIdx.z);
+  if (row >= seq.seqlen_q) {
     return;
   }
-  const int64_t bh = int64_t(batch) * p.heads_q + head;
-  float const* acc = reinterpret_cast<float const*>(p.dq_accum) + (bh * p.seqlen_q_rounded + row) * T::kDimQK;
-  auto dq_row = reinterpret_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-                row * p.dq_row_stride;
+  float const* acc = reinterpret_cast<float const*>(p.dq_accum) + (seq.dq_accum_row(p, head) + row) * T::kDimQK;
+  auto dq_row = reinterpret_cast<Element*>(p.dq) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride) +
+                head * p.dq_head_stride + row * p.dq_row_stride;
   cutlass::NumericArrayConverter<Element, float, kVec> convert;
   for (int col = lane * kVec; col < T::kDimQK; col += kRowLanes * kVec) {
     cutlass::Array<float, kVec> values = *reinterpret_cast<cutlass::Array<float, kVec> const*>(acc + col);

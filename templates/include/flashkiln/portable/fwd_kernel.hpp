@@ -7,6 +7,7 @@
 
 #include <flashkiln/common.hpp>
 #include <flashkiln/params.hpp>
+#include <flashkiln/sequence.hpp>
 #include <flashkiln/portable/bias.hpp>
 #include <flashkiln/portable/fwd_traits.hpp>
 #include <flashkiln/portable/masking.hpp>
@@ -31,27 +32,32 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
   const int m_block = kIsCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
+  const Sequence seq = sequence_of(p, batch);
+  if (m_block * kBlockM >= seq.seqlen_q) {
+    return;  // a packed batch's grid covers its longest sequence
+  }
   const int head_kv = head / (p.heads_q / p.heads_kv);
   // Key j is visible to query i iff j <= i + causal_offset.
-  const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
-  const int q_rows = min(kBlockM, p.seqlen_q - m_block * kBlockM);
+  const int causal_offset = T::kCausal == Causal::bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
+  const int q_rows = min(kBlockM, seq.seqlen_q - m_block * kBlockM);
 
   // Key tiles this query tile needs: all of them, or those up to the last visible key.
-  int n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  int n_blocks = ceil_div(seq.seqlen_k, kBlockN);
   if constexpr (kIsCausal) {
     const int last_visible = m_block * kBlockM + q_rows - 1 + causal_offset;
     n_blocks = last_visible < 0 ? 0 : min(n_blocks, last_visible / kBlockN + 1);
   }
 
-  // ---- global tensors for this (batch, head) -----------------------------------------------
-  auto q_base = reinterpret_cast<Element const*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
-  auto k_base = reinterpret_cast<Element const*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
-  auto v_base = reinterpret_cast<Element const*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
-  auto o_base = reinterpret_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
-  Tensor gQ = gmem_tiles<kBlockM, T::kDimQK>(q_base, p.seqlen_q, p.q_row_stride, m_block);  // (M, dqk)
-  Tensor gK = gmem_tiles<kBlockN, T::kDimQK>(k_base, p.seqlen_k, p.k_row_stride, _);        // (N, dqk, n)
-  Tensor gV = gmem_tiles<kBlockN, T::kDimV>(v_base, p.seqlen_k, p.v_row_stride, _);         // (N, dv, n)
-  Tensor gO = gmem_tiles<kBlockM, T::kDimV>(o_base, p.seqlen_q, p.o_row_stride, m_block);   // (M, dv)
+  // ---- global tensors for this (sequence, head) --------------------------------------------
+  auto q_base = reinterpret_cast<Element const*>(p.q) + seq.q_offset(p.q_batch_stride, p.q_row_stride) +
+                head * p.q_head_stride;
+  auto k_base = reinterpret_cast<Element const*>(p.k) + seq.k_offset(p.k_batch_stride, p.k_row_stride) +
+                head_kv * p.k_head_stride;
+  auto v_base = reinterpret_cast<Element const*>(p.v) + seq.k_offset(p.v_batch_stride, p.v_row_stride) +
+                head_kv * p.v_head_stride;
+  Tensor gQ = gmem_tiles<kBlockM, T::kDimQK>(q_base, seq.seqlen_q, p.q_row_stride, m_block);  // (M, dqk)
+  Tensor gK = gmem_tiles<kBlockN, T::kDimQK>(k_base, seq.seqlen_k, p.k_row_stride, _);        // (N, dqk, n)
+  Tensor gV = gmem_tiles<kBlockN, T::kDimV>(v_base, seq.seqlen_k, p.v_row_stride, _);         // (N, dv, n)
 
   // ---- shared tensors: Q (then O), and kStages buffers of K and V ----------------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -82,11 +88,11 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
 
   auto load_k = [&](int n_block, int stage) {
     copy_rows<true>(load_qk, tKgK(_, _, _, n_block), at_offset(tKsK, stage * T::kElemsK), tKcK,
-                    p.seqlen_k - n_block * kBlockN);
+                    seq.seqlen_k - n_block * kBlockN);
   };
   auto load_v_tile = [&](int n_block, int stage) {
     copy_rows<true>(load_v, tVgV(_, _, _, n_block), at_offset(tVsV, stage * T::kElemsV), tVcV,
-                    p.seqlen_k - n_block * kBlockN);
+                    seq.seqlen_k - n_block * kBlockN);
   };
   // The bias tile of this query tile and key tile n_block (one buffer; see the main loop).
   using Bias = BiasTile<Element, T::kThreads, kBlockM, kBlockN>;
@@ -98,7 +104,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
       Tensor gBias = gmem_bias_tiles<kBlockM, kBlockN, Element>(p, batch, head)(_, _, m_block, n_block);
       copy_rows_cols<true>(load_bias, thr_load_bias.partition_S(gBias), thr_load_bias.partition_D(sBias),
                            thr_load_bias.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})),
-                           q_rows, p.seqlen_k - n_block * kBlockN);
+                           q_rows, seq.seqlen_k - n_block * kBlockN);
     }
   };
 
@@ -176,8 +182,9 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
         }
       }
 
-      if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, p.seqlen_k, causal_offset)) {
-        mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * kBlockM, n_block * kBlockN, p.seqlen_k,
+      if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, seq.seqlen_k,
+                                                   causal_offset)) {
+        mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k,
                                 causal_offset);
       }
 
@@ -214,6 +221,11 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
   }
 
   // ---- epilogue: normalize, O through shared memory to 16-byte global stores, then LSE ---------
+  // The sequence's offsets are read again here rather than kept in registers through the loop.
+  const Sequence out_seq = sequence_of(p, batch);
+  auto o_base = reinterpret_cast<Element*>(p.o) + out_seq.q_offset(p.o_batch_stride, p.o_row_stride) +
+                head * p.o_head_stride;
+  Tensor gO = gmem_tiles<kBlockM, T::kDimV>(o_base, out_seq.seqlen_q, p.o_row_stride, m_block);  // (M, dv)
   float lse[kRows];
   const float sink = p.sink != 0 ? reinterpret_cast<float const*>(p.sink)[head] : -kInfinity;
   softmax.finalize(rowcol(acc_o), p.scale, sink, lse);
@@ -237,7 +249,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
   // The thread holding column 0 of a row writes that row's LSE.
   Tensor tOcAcc = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<T::kDimV>>{})));
   if (get<1>(tOcAcc(0, 0)) == 0) {
-    float* lse_row = reinterpret_cast<float*>(p.lse) + (int64_t(batch) * p.heads_q + head) * p.seqlen_q + m_block * kBlockM;
+    float* lse_row = reinterpret_cast<float*>(p.lse) + out_seq.q_row(p, head) + m_block * kBlockM;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = get<0>(tOcAcc(r, 0));

@@ -1,0 +1,124 @@
+"""Packed variable-length batches: the layout of flash_attn_varlen_func.
+
+q is (total_q, H_q, d), k and v (total_k, H_kv, d): the sequences lie back to back along the
+token dim, sequence b being tokens cu_seqlens_q[b] to cu_seqlens_q[b + 1] of q (and likewise of
+k, v). The kernels see the token tensors as one batch entry of (1, H, total, d) and read the
+sequence bounds from cu_seqlens on the device, so nothing waits for the host; the grid covers
+the longest sequences (max_seqlen_q/k) and CTAs past a shorter one return at once.
+
+The values of cu_seqlens are not read on the host (that would synchronize): they must start at
+0 or later, never decrease, end at most at total, and differ by at most max_seqlen. The kernels
+clamp them into those bounds, so breaking this gives wrong values, never a stray memory access.
+Tokens past the last sequence, and their rows of out and lse, are left untouched by the forward;
+the backward gives them zero gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import inputs
+
+_MAX_TOKENS = 2**31 - 1  # token counts travel as int32
+TOKENS = "(total_tokens, heads, head_dim)"  # the layout of q, k, v, out and their gradients
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """The sequence boundaries of a packed batch (see the module docstring)."""
+
+    cu_seqlens_q: torch.Tensor  # int32 (batch + 1,)
+    cu_seqlens_k: torch.Tensor  # int32 (batch + 1,)
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What the kernels see of a call's batch, dense or packed (templates/.../sequence.hpp)."""
+
+    batch: int
+    seqlen_q: int  # packed: the longest query sequence
+    seqlen_k: int
+    total_q: int  # query rows per (batch entry, head) of the tensors: seqlen_q when dense
+    total_k: int
+    packed: PackedBatch | None
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch | None) -> "BatchShape":
+        """From (B, H, S, d) tensors, which for a packed batch are the (1, H, total, d) views."""
+        if packed is None:
+            return cls(q.shape[0], q.shape[2], k.shape[2], q.shape[2], k.shape[2], None)
+        return cls(packed.batch, packed.max_seqlen_q, packed.max_seqlen_k, q.shape[2], k.shape[2], packed)
+
+    def scores(self, heads_q: int) -> tuple[int, int, int, int]:
+        """(B, H_q, S_q, S_k): the shape of the scores, and so of a bias and of dBias."""
+        return self.batch, heads_q, self.seqlen_q, self.seqlen_k
+
+    def is_empty(self) -> bool:
+        """No query row or no key: nothing for a kernel to compute."""
+        return self.batch == 0 or self.seqlen_q == 0 or self.seqlen_k == 0 or self.total_q == 0 \
+            or self.total_k == 0
+
+    def params(self) -> dict[str, int]:
+        """The params fields that describe the batch (FwdParams and BwdParams share them)."""
+        return {
+            "batch": self.batch, "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k,
+            "total_q": self.total_q, "total_k": self.total_k,
+            "cu_seqlens_q": 0 if self.packed is None else self.packed.cu_seqlens_q.data_ptr(),
+            "cu_seqlens_k": 0 if self.packed is None else self.packed.cu_seqlens_k.data_ptr(),
+        }
+
+
+def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch) -> None:
+    """Check the token tensors and the boundaries' dtype, shape and device (not their values)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        batched_view(name, t, TOKENS)
+    for name, cu in (("cu_seqlens_q", packed.cu_seqlens_q), ("cu_seqlens_k", packed.cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            inputs.fail(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets, got "
+                        + (f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor)
+                           else type(cu).__name__))
+        if cu.device != q.device:
+            inputs.fail(f"{name} is on {cu.device}, q on {q.device}")
+        if not cu.is_contiguous():
+            inputs.fail(f"{name} must be contiguous")
+    if packed.cu_seqlens_q.numel() != packed.cu_seqlens_k.numel():
+        inputs.fail(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                    f"{packed.cu_seqlens_q.numel()} and {packed.cu_seqlens_k.numel()}")
+    for name, n in (("max_seqlen_q", packed.max_seqlen_q), ("max_seqlen_k", packed.max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            inputs.fail(f"{name} must be a non-negative int, got {n!r}")
+    if q.shape[0] > _MAX_TOKENS or k.shape[0] > _MAX_TOKENS:
+        inputs.fail(f"at most {_MAX_TOKENS} tokens per call, got {q.shape[0]} queries and {k.shape[0]} keys")
+
+
+def batched_view(name: str, t: torch.Tensor, what: str) -> torch.Tensor:
+    """as_batched(t) of a caller's token tensor (`what` "(total, H, d)") or lse ("(H, total)"), checked."""
+    dims = what.count(",") + 1
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        inputs.fail(f"with cu_seqlens, {name} must be a {dims}-D {what} tensor, got "
+                    + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    return as_batched(t)
+
+
+def as_batched(t: torch.Tensor) -> torch.Tensor:
+    """The (1, H, total, d) view of a (total, H, d) token tensor (a (1, H, total) view of (H, total))."""
+    return t.unsqueeze(0) if t.dim() == 2 else t.unsqueeze(0).transpose(1, 2)
+
+
+def as_tokens(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of as_batched: (total, H, d) from (1, H, total, d), (H, total) from (1, H, total)."""
+    return t[0] if t.dim() == 3 else t[0].transpose(0, 1)
+
+
+def token_mask(packed: PackedBatch, total_q: int) -> torch.Tensor:
+    """Bool (total_q,): the query tokens inside a sequence (computed on the device, no sync)."""
+    tokens = torch.arange(total_q, device=packed.cu_seqlens_q.device, dtype=torch.int32)
+    cu = packed.cu_seqlens_q
+    return (tokens >= cu[0]) & (tokens < cu[-1]) if cu.numel() > 1 else torch.zeros_like(tokens, dtype=torch.bool)

@@ -1,0 +1,260 @@
+"""Packed variable-length batches on the GPU, against the fp32 reference run on each sequence alone.
+
+Token tensors hold NaN tokens past the last sequence and sit between NaN canary tokens: the
+kernels must neither read them (NaN would spread into the results) nor write them (out and lse
+rows of those tokens stay as they were). Zero-length query and key sequences are in every case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+import torch
+
+import flashkiln
+from flashkiln.dq_routes import ROUTES
+from reference import (GRAD_FLOOR, GradReference, attention_grad_reference, attention_reference, check_grads_against,
+                       fa_style_check, repro_line, seed_of)
+from test_backward_gpu import _forced_route
+
+pytestmark = pytest.mark.gpu
+_repro = partial(repro_line, "test_varlen_gpu.py")
+
+PAD = 3  # NaN canary tokens on each side of every token tensor
+EXTRA = 5  # NaN tokens past the last sequence, inside the tensors
+# (query lengths, key lengths): zero-length queries and keys, a single token, partial tiles, a
+# sequence longer than the others by several tiles.
+LENGTHS = {
+    "mixed": ((130, 0, 17, 256, 1), (200, 33, 0, 256, 64)),
+    "self": ((1, 129, 64, 0, 300), (1, 129, 64, 0, 300)),
+}
+
+
+@dataclass
+class Packed:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    lengths_q: tuple[int, ...]
+    lengths_k: tuple[int, ...]
+    storages: list[torch.Tensor]
+
+    @property
+    def max_q(self) -> int:
+        return max(self.lengths_q)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.lengths_k)
+
+    def packed(self) -> flashkiln.PackedBatch:
+        return flashkiln.PackedBatch(self.cu_q, self.cu_k, self.max_q, self.max_k)
+
+    def sequence(self, t: torch.Tensor, b: int, keys: bool) -> torch.Tensor:
+        """Sequence b of a (total, H, d) tensor as a (1, H, S, d) tensor."""
+        cu = self.cu_k if keys else self.cu_q
+        return t[int(cu[b]):int(cu[b + 1])].transpose(0, 1)[None]
+
+    def canaries_intact(self) -> bool:
+        return all(torch.isnan(s[:PAD]).all() and torch.isnan(s[-PAD:]).all() for s in self.storages)
+
+
+def _token_tensor(total: int, extra: int, heads: int, d: int, gen, dtype, storages) -> torch.Tensor:
+    """Random (total, heads, d) inside NaN storage: PAD canaries each side, `extra` NaN tokens at the end."""
+    storage = torch.full((total + extra + 2 * PAD, heads, d), float("nan"), device="cuda", dtype=dtype)
+    storage[PAD:PAD + total] = torch.randn(total, heads, d, device="cuda", dtype=dtype, generator=gen)
+    storages.append(storage)
+    return storage[PAD:-PAD]
+
+
+def _packed_case(seed: int, lengths: str, hq: int, hkv: int, dims=(128, 128), dtype=torch.bfloat16,
+                 extra: int = EXTRA) -> Packed:
+    lengths_q, lengths_k = LENGTHS[lengths]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    storages: list[torch.Tensor] = []
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q, dout = (_token_tensor(total_q, extra, hq, d, gen, dtype, storages) for d in dims)
+    k, v = (_token_tensor(total_k, extra, hkv, d, gen, dtype, storages) for d in dims)
+    cu = lambda lengths: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
+                                      device="cuda")
+    return Packed(q, k, v, dout, cu(lengths_q), cu(lengths_k), lengths_q, lengths_k, storages)
+
+
+def _bias_of(case: Packed, shape: str | None, gen) -> torch.Tensor | None:
+    if shape is None:
+        return None
+    b, h = len(case.lengths_q), case.q.shape[1]
+    dims = {"full": (b, h), "heads": (1, h), "batch": (b, 1)}[shape]
+    return torch.randn(*dims, case.max_q, case.max_k, device="cuda", dtype=case.q.dtype, generator=gen)
+
+
+def _sequence_bias(bias: torch.Tensor | None, b: int, lq: int, lk: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    return bias[min(b, bias.shape[0] - 1)][None, :, :lq, :lk]
+
+
+def _reference_forward(case: Packed, causal, bias, sink, dtype):
+    """out (total, H, d_v) and lse (H, total) of every sequence alone; NaN rows past the last sequence."""
+    out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"), device="cuda")
+    lse = torch.full((case.q.shape[1], case.q.shape[0]), float("nan"), device="cuda")
+    for b, (lq, lk) in enumerate(zip(case.lengths_q, case.lengths_k)):
+        if lq == 0:
+            continue
+        ref = attention_reference(case.sequence(case.q, b, False), case.sequence(case.k, b, True),
+                                  case.sequence(case.v, b, True), causal, None, dtype,
+                                  bias=_sequence_bias(bias, b, lq, lk), sink=sink)
+        start = int(case.cu_q[b])
+        out[start:start + lq] = ref.out[0].transpose(0, 1).float()
+        lse[:, start:start + lq] = ref.lse[0]
+    return out, lse
+
+
+def _reference_grads(case: Packed, causal, bias, sink, dtype) -> GradReference:
+    """Per-token gradients of every sequence alone (zeros for tokens in no sequence); dbias in the
+    bias's shape; dsink summed over the sequences."""
+    dq = torch.zeros(case.q.shape, device="cuda")
+    dk, dv = torch.zeros(case.k.shape, device="cuda"), torch.zeros(case.v.shape, device="cuda")
+    dbias = None if bias is None else torch.zeros(bias.shape, device="cuda")
+    dsink = None if sink is None else torch.zeros(sink.shape, device="cuda")
+    for b, (lq, lk) in enumerate(zip(case.lengths_q, case.lengths_k)):
+        if lq == 0 or lk == 0:
+            continue  # nothing to differentiate: zero gradients
+        ref = attention_grad_reference(case.sequence(case.q, b, False), case.sequence(case.k, b, True),
+                                       case.sequence(case.v, b, True), case.sequence(case.dout, b, False), causal,
+                                       None, dtype, bias=_sequence_bias(bias, b, lq, lk), sink=sink)
+        sq, sk = int(case.cu_q[b]), int(case.cu_k[b])
+        dq[sq:sq + lq] = ref.dq[0].transpose(0, 1).float()
+        dk[sk:sk + lk] = ref.dk[0].transpose(0, 1).float()
+        dv[sk:sk + lk] = ref.dv[0].transpose(0, 1).float()
+        if dbias is not None:
+            dbias[min(b, bias.shape[0] - 1), :, :lq, :lk] += ref.dbias[0].float()
+        if dsink is not None:
+            dsink += ref.dsink.float()
+    return GradReference(dq, dk, dv, dbias, dsink)
+
+
+def _check_forward(case: Packed, out, lse, causal, bias, sink, repro: str) -> None:
+    ref32 = _reference_forward(case, causal, bias, sink, torch.float32)
+    reflp = _reference_forward(case, causal, bias, sink, case.q.dtype)
+    inside = ~torch.isnan(ref32[1][0])  # query tokens of some sequence
+    assert inside.sum() == sum(case.lengths_q)
+    fa_style_check("out", out[inside], ref32[0][inside], reflp[0][inside], 2, repro)
+    fa_style_check("lse", lse[:, inside], ref32[1][:, inside], reflp[1][:, inside], 2, repro)
+
+
+def _forward(case: Packed, causal, bias=None, sink=None):
+    """attention_forward into NaN-filled out and lse: rows of tokens past the last sequence must stay NaN."""
+    out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"), device="cuda",
+                     dtype=case.q.dtype)
+    lse = torch.full((case.q.shape[1], case.q.shape[0]), float("nan"), device="cuda")
+    flashkiln.attention_forward(case.q, case.k, case.v, causal=causal, bias=bias, sink=sink, packed=case.packed(),
+                                out=out, lse=lse)
+    torch.cuda.synchronize()
+    tail = slice(int(case.cu_q[-1]), None)
+    assert torch.isnan(out[tail]).all() and torch.isnan(lse[:, tail]).all(), "rows past the last sequence written"
+    assert case.canaries_intact(), "canary overwritten"
+    return out, lse
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)], ids=lambda d: f"d{d[0]}x{d[1]}")
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_forward_matches_each_sequence_alone(lengths, causal, dims):
+    seed = seed_of("varlen-fwd", lengths, causal, dims)
+    case = _packed_case(seed, lengths, hq=6, hkv=2, dims=dims)
+    out, lse = _forward(case, causal)
+    _check_forward(case, out, lse, causal, None, None,
+                   _repro("test_forward_matches_each_sequence_alone", lengths=lengths, causal=causal, dims=dims))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_backward_matches_each_sequence_alone(hq, hkv, lengths, causal, route):
+    seed = seed_of("varlen-bwd", hq, hkv, lengths, causal)
+    case = _packed_case(seed, lengths, hq, hkv)
+    repro = _repro("test_backward_matches_each_sequence_alone", hq=hq, hkv=hkv, lengths=lengths, causal=causal,
+                   route=route)
+    out, lse = _forward(case, causal)
+    with _forced_route(route):
+        grads = flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal,
+                                             packed=case.packed(), deterministic=route != "atomic")
+    torch.cuda.synchronize()
+    assert case.canaries_intact(), "canary overwritten"
+    # Tokens in no sequence get exact zeros; the reference has zeros there too.
+    check_grads_against(grads, _reference_grads(case, causal, None, None, torch.float32),
+                        _reference_grads(case, causal, None, None, case.q.dtype), repro)
+
+
+@pytest.mark.parametrize("bias_shape", ["full", "heads", "batch"])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape):
+    """Item 4 of the issue: bias (with dBias), sinks (with dSink), a packed batch, causal, GQA, and
+    the deterministic backward, together; dBias and dSink bitwise reproducible."""
+    seed = seed_of("varlen-all", causal, bias_shape)
+    case = _packed_case(seed, "mixed", hq=6, hkv=2)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    bias = _bias_of(case, bias_shape, gen)
+    sink = torch.linspace(-2.0, 3.0, case.q.shape[1], device="cuda")
+    repro = _repro("test_bias_sinks_gqa_and_causal_combine", causal=causal, bias_shape=bias_shape)
+    out, lse = _forward(case, causal, bias, sink)
+    _check_forward(case, out, lse, causal, bias, sink, repro)
+    runs = [flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal, bias=bias,
+                                         bias_grad=True, sink=sink, sink_grad=True, packed=case.packed(),
+                                         deterministic=True) for _ in range(5)]
+    for run in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsink"), runs[0], run):
+            assert torch.equal(a, b), f"{name} differs between runs\n{repro}"
+    ref32 = _reference_grads(case, causal, bias, sink, torch.float32)
+    reflp = _reference_grads(case, causal, bias, sink, case.q.dtype)
+    check_grads_against(runs[0][:4], ref32, reflp, repro)
+    # dsink with the rounding floor derived in test_sinks_gpu._check_dsink (bf16: u = 2^-8).
+    inside = slice(0, int(case.cu_q[-1]))
+    p_sink = torch.exp(sink[:, None] - lse[:, inside])
+    magnitude = (case.dout[inside].float() * out[inside].float()).abs().sum(-1).T
+    rounding = 2.0**-8 * (p_sink * magnitude).sum(1).max().item()
+    fa_style_check("dsink", runs[0][4], ref32.dsink, reflp.dsink, 3, repro, floor=GRAD_FLOOR + rounding)
+
+
+def test_varlen_attention_autograd_and_compile():
+    seed = seed_of("varlen-autograd")
+    case = _packed_case(seed, "self", hq=4, hkv=2, dtype=torch.float16)
+    q, k, v = (t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v))
+    args = (case.cu_q, case.cu_k, case.max_q, case.max_k)
+    # Tokens past the last sequence hold NaN inputs: they must not reach the loss.
+    inside = slice(0, int(case.cu_q[-1]))
+
+    def loss(fn):
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(q, k, v, *args, causal="top_left")
+        (out[inside].float() * case.dout[inside].float()).sum().backward()
+        return out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+    eager = loss(flashkiln.varlen_attention)
+    compiled = loss(torch.compile(flashkiln.varlen_attention, fullgraph=True))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), eager, compiled):
+        assert torch.equal(a[inside] if name == "out" else a, b[inside] if name == "out" else b), name
+    check_grads_against(eager[1:], _reference_grads(case, "top_left", None, None, torch.float32),
+                        _reference_grads(case, "top_left", None, None, case.q.dtype),
+                        _repro("test_varlen_attention_autograd_and_compile"))
+
+
+def test_opcheck_packed():
+    # opcheck compares runs with each other, so every token lies in a sequence (unwritten rows
+    # would differ); zero-length sequences stay.
+    case = _packed_case(seed_of("varlen-opcheck"), "mixed", hq=4, hkv=2, dims=(64, 64), extra=0)
+    q, k, v = case.q, case.k, case.v
+    sink = torch.linspace(-1, 1, 4, device="cuda")
+    args = (q, k, v, None, sink, "bottom_right", 0.125, True, case.cu_q, case.cu_k, case.max_q, case.max_k)
+    torch.library.opcheck(torch.ops.flashkiln.attention_forward.default, args)
+    out, lse = torch.ops.flashkiln.attention_forward(*args)
+    torch.library.opcheck(torch.ops.flashkiln.attention_backward.default,
+                          (case.dout, q, k, v, out, lse, None, False, sink, True, "bottom_right", 0.125, True,
+                           case.cu_q, case.cu_k, case.max_q, case.max_k))
