@@ -6,7 +6,9 @@ import math
 import torch
 
 from . import inputs
+from .backends import check_backend
 from .bias import KernelBias, prepare_bias
+from .hopper_forward import plan_if_hopper
 from .launch import KernelLaunch, Target, ceil_div, request, run
 from .params import FwdParams
 from .registry import KernelRegistry, default_registry
@@ -35,8 +37,8 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,
                       scale: float | None = None, bias: torch.Tensor | None = None,
                       sink: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None,
-                      registry: KernelRegistry | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      lse: torch.Tensor | None = None, registry: KernelRegistry | None = None,
+                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward: softmax(scale * q kᵀ + bias, causal mask) v and its log-sum-exp.
 
     q: (B, H_q, S_q, d_qk), k: (B, H_kv, S_k, d_qk), v: (B, H_kv, S_k, d_v), fp16 or bf16 on one
@@ -48,8 +50,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     that join each row's softmax denominator; the LSE includes them (flashkiln.sinks).
     Returns out (B, H_q, S_q, d_v), in q's memory order, and lse (B, H_q, S_q) in fp32 (natural
     log; -inf for a query that sees no key, whose output row is 0). `out` and `lse` may be given
-    preallocated. No autograd here: see flashkiln.scaled_dot_product_attention.
+    preallocated. backend: "hopper" (the sm_90a TMA/wgmma family; raises UnsupportedError or
+    VariantNotFoundError for what it cannot run), "portable", or None: hopper where it can run the
+    call, portable otherwise (flashkiln.backends). No autograd here: see
+    flashkiln.scaled_dot_product_attention.
     """
+    check_backend(backend)
     inputs.check_qkv(q, k, v)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
     kernel_bias = None if bias is None else prepare_bias(bias, q, k.shape[2])
@@ -65,6 +71,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
     registry = registry or default_registry()
     target = Target.of(q)
-    run(registry, target, [plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias, target.capability,
-                                        registry, kernel_sink)])
+    launch = plan_if_hopper(backend, q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, target, registry)
+    run(registry, target, [launch or plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias,
+                                                  target.capability, registry, kernel_sink)])
     return out, lse

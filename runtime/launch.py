@@ -36,9 +36,9 @@ class Target:
 
 
 def request(kernel: str, dtype: str, d_qk: int, d_v: int, causal: str = "none", deterministic: bool = False,
-            bias: bool = False) -> dict[str, Any]:
-    """The functional fields (all but arch) of the portable kernel a call needs."""
-    return {"kernel": kernel, "family": "portable", "dtype": dtype, "d_qk": d_qk, "d_v": d_v, "causal": causal,
+            bias: bool = False, family: str = "portable") -> dict[str, Any]:
+    """The functional fields (all but arch) of the kernel a call needs (portable family by default)."""
+    return {"kernel": kernel, "family": family, "dtype": dtype, "d_qk": d_qk, "d_v": d_v, "causal": causal,
             "bias": "additive" if bias else "none", "deterministic": deterministic}
 
 

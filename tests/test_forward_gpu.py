@@ -43,9 +43,10 @@ def _poisoned_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Te
     return out_storage, out_storage[:, :, 1:-1], lse_storage, lse_storage[1:-1].view(b, h, s)
 
 
-def _check_forward(q, k, v, causal, scale, repro: str) -> None:
+def _check_forward(q, k, v, causal, scale, repro: str, backend: str | None = None) -> None:
     out_storage, out, lse_storage, lse = _poisoned_outputs(q, v.shape[-1])
-    got_out, got_lse = flashkiln.attention_forward(q, k, v, causal=causal, scale=scale, out=out, lse=lse)
+    got_out, got_lse = flashkiln.attention_forward(q, k, v, causal=causal, scale=scale, out=out, lse=lse,
+                                                   backend=backend)
     torch.cuda.synchronize()
     assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
     assert torch.isnan(out_storage[:, :, 0]).all() and torch.isnan(out_storage[:, :, -1]).all(), \
