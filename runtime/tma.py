@@ -7,6 +7,7 @@ are zero-filled on loads and dropped on stores, so tiles never reach into the ne
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,13 +54,23 @@ def tensor_map_shape(t: torch.Tensor, rows: int) -> TensorMapShape:
 
 def encode(t: torch.Tensor, rows: int) -> TmaDescriptor:
     """The CUtensorMap of `t` (fp16/bf16) for boxes of `rows` rows, 128-byte swizzled."""
+    descriptor = TmaDescriptor()
+    descriptor.words[:] = _encoded(tensor_map_shape(t, rows), t.dtype)
+    return descriptor
+
+
+# A map is a pure function of its shape (address included), and the caching allocator hands the
+# same addresses out again: repeated calls skip the driver call.
+@functools.lru_cache(maxsize=1024)
+def _encoded(shape: TensorMapShape, dtype: torch.dtype) -> tuple[int, ...]:
     from cuda.bindings import driver as cu
 
-    shape = tensor_map_shape(t, rows)
-    dtype = {torch.float16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-             torch.bfloat16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[t.dtype]
+    data_type = {torch.float16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                 torch.bfloat16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[dtype]
     err, tensor_map = cu.cuTensorMapEncodeTiled(
-        dtype, 4, shape.address, list(shape.dims), list(shape.strides), list(shape.box), [1, 1, 1, 1],
+        data_type, 4, shape.address, [cu.cuuint64_t(x) for x in shape.dims],
+        [cu.cuuint64_t(x) for x in shape.strides], [cu.cuuint32_t(x) for x in shape.box],
+        [cu.cuuint32_t(1)] * 4,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -67,6 +78,4 @@ def encode(t: torch.Tensor, rows: int) -> TmaDescriptor:
     )
     if err != cu.CUresult.CUDA_SUCCESS:
         raise UnsupportedError(f"cuTensorMapEncodeTiled refused {shape}: {err}")
-    descriptor = TmaDescriptor()
-    descriptor.words[:] = [int(w) for w in tensor_map.opaque]
-    return descriptor
+    return tuple(int(w) for w in tensor_map.opaque)

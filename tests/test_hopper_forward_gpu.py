@@ -103,8 +103,8 @@ def test_rows_without_visible_keys():
 
 
 def test_auto_takes_hopper_and_falls_back(monkeypatch):
-    """Auto runs the Hopper kernel for a generated variant, the portable one for a bias or a layout
-    TMA cannot address; backend="hopper" refuses those with typed errors."""
+    """Auto runs the Hopper kernel for a generated variant and the portable one for a variant the
+    hopper family lacks; backend="hopper" refuses those, and a bias, with typed errors."""
     from flashkiln import hopper_forward
 
     planned = []
@@ -117,7 +117,6 @@ def test_auto_takes_hopper_and_falls_back(monkeypatch):
     bias = torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(flashkiln.UnsupportedError):
         flashkiln.attention_forward(q, k, v, bias=bias, backend="hopper")
-    flashkiln.attention_forward(q, k, v, bias=bias)  # auto: portable
     d96 = _inputs(seed_of("hopper-d96"), 1, 2, 2, 64, 64, 96, torch.bfloat16)
     with pytest.raises((flashkiln.UnsupportedError, flashkiln.VariantNotFoundError)):
         flashkiln.attention_forward(*d96, backend="hopper")
