@@ -18,6 +18,9 @@ class KernelLaunch:
     entry: KernelEntry
     grid: tuple[int, int, int]
     params: ctypes.Structure
+    # Buffers the parameters point at that the caller holds no reference to (scratch made while
+    # planning): kept until the launch is enqueued, after which the stream orders their reuse.
+    keep_alive: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

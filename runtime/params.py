@@ -96,7 +96,8 @@ class HopperFwdParams(ctypes.Structure):
         ("num_m_blocks", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
-        ("_pad", ctypes.c_uint8 * 16),
+        ("tile_counter", ctypes.c_uint64),
+        ("_pad", ctypes.c_uint8 * 8),
     ]
 
 

@@ -121,3 +121,20 @@ def test_auto_takes_hopper_and_falls_back(monkeypatch):
     with pytest.raises((flashkiln.UnsupportedError, flashkiln.VariantNotFoundError)):
         flashkiln.attention_forward(*d96, backend="hopper")
     flashkiln.attention_forward(*d96)  # auto: portable
+
+
+def test_causal_launch_keeps_its_tile_counter():
+    """The zeroed counter causal CTAs claim tiles from lives until the launch is enqueued (no
+    caller holds it: freed earlier, the kernel would count in released memory)."""
+    from flashkiln import hopper_forward
+    from flashkiln.launch import Target
+    from flashkiln.registry import default_registry
+
+    q, k, v = _inputs(seed_of("hopper-counter"), 1, 2, 2, 256, 256, 128, torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    launch = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "top_left", 0.1, None, Target.of(q),
+                                                default_registry())
+    (counter,) = launch.keep_alive
+    assert launch.params.tile_counter == counter.data_ptr() and counter.item() == 0
+    plain = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "none", 0.1, None, Target.of(q), default_registry())
+    assert plain.params.tile_counter == 0 and plain.keep_alive == ()

@@ -48,19 +48,24 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     const int thread = threadIdx.x - 128;
-    TileScheduler<T::kCausal != Causal::none> sched(p.num_m_blocks, p.heads_q, p.batch);
+    TileScheduler<T::kCausal != Causal::none> sched(p.num_m_blocks, p.heads_q, p.batch, p.tile_counter);
     typename T::TiledMmaO mma_o;
     Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<T::kBlockM>, Int<T::kDimV>>{});
     constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
     PipelineState<T::kStages> kv;
     uint32_t q_full_phase = 0;
-    for (int tile = sched.first(); sched.valid(tile); tile = sched.next(tile)) {
+    while (true) {
+      // The producer names each tile (or the end) before the Q it loads for it.
+      Barrier::wait(&ss.q_full, q_full_phase);
+      q_full_phase ^= 1;
+      const int tile = *reinterpret_cast<volatile int*>(&ss.tile);
+      if (!sched.valid(tile)) {
+        break;
+      }
       const WorkTile w = sched.decode(tile);
       const int n_blocks = key_tiles<T>(p, w.m_block);
       portable::OnlineSoftmax<kRows> softmax;
       clear(acc_o);
-      Barrier::wait(&ss.q_full, q_full_phase);
-      q_full_phase ^= 1;
       consume_tile<T>(p, ss, thread, w.m_block, n_blocks, kv, acc_o, softmax);
       store_tile<T>(p, ss, thread, w, acc_o, softmax);
     }

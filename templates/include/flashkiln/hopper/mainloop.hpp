@@ -41,15 +41,21 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
   const int group = p.heads_q / p.heads_kv;
-  Sched sched(p.num_m_blocks, p.heads_q, p.batch);
+  Sched sched(p.num_m_blocks, p.heads_q, p.batch, p.tile_counter);
   PipelineState<T::kStages> kv;
   uint32_t q_empty_phase = 0;
-  for (int tile = sched.first(); sched.valid(tile); tile = sched.next(tile)) {
-    const WorkTile w = sched.decode(tile);
-    if (tile != sched.first()) {  // the previous tile's O has left the Q/O buffer
+  for (int tile = sched.first(), step = 0;; tile = sched.next(tile), ++step) {
+    if (step > 0) {  // the consumers are done with the previous tile (and its O left the buffer)
       Barrier::wait(&ss.q_empty, q_empty_phase);
       q_empty_phase ^= 1;
     }
+    // The q_full arrival below releases this store to the consumers.
+    *reinterpret_cast<volatile int*>(&ss.tile) = tile;
+    if (!sched.valid(tile)) {
+      Barrier::arrive(&ss.q_full);  // no more work: the consumers exit
+      return;
+    }
+    const WorkTile w = sched.decode(tile);
     const int n_blocks = key_tiles<T>(p, w.m_block);
     if (n_blocks == 0) {
       Barrier::arrive(&ss.q_full);  // nothing to load: the consumers only write O = 0

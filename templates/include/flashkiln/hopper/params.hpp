@@ -22,7 +22,11 @@ struct HopperFwdParams {
   int32_t num_m_blocks;  // query tiles per head
   float scale;           // applied to Q K^T
   float scale_log2;      // scale * log2(e)
-  uint8_t _pad[16];      // to a multiple of the descriptors' 64-byte alignment
+  // An int in global memory, zero at launch, from which CTAs claim work tiles past their first
+  // (the runtime passes one under a causal mask, where tiles differ in length); 0: a fixed
+  // round robin.
+  uint64_t tile_counter;
+  uint8_t _pad[8];       // to a multiple of the descriptors' 64-byte alignment
 };
 
 }  // namespace flashkiln

@@ -27,9 +27,14 @@ struct FwdTraits {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  // setmaxnreg budgets: the producer gives its registers to the consumers (64K per SM in all).
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  // setmaxnreg budgets: the producer hands registers to the consumers. The CTA keeps what it was
+  // launched with (65536 / kThreads each, rounded down to 8: 168 for 384 threads, 128 for 512),
+  // so the sum must not exceed that. The producer needs ~40 not to spill its schedule state.
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 3 ? 32 : 40;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 1 ? 240 : kConsumerWarpgroups == 2 ? 232 : 160;
+  static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "setmaxnreg budgets exceed the CTA's registers");
   // TMA boxes are 64 columns (128 bytes, one swizzle atom) wide.
   static constexpr int kBoxCols = 64;
 
@@ -74,6 +79,7 @@ struct FwdTraits {
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
     uint64_t kv_empty[kStages];   // the consumers finished reading the stage's K and V
+    int tile;                     // the work tile of the current Q (valid once q_full completes)
   };
   // The dynamic allocation starts 16-byte aligned at worst: room to round up to 1024.
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024 - 16;
