@@ -64,7 +64,8 @@ def main() -> None:
                     try:
                         got = fn(q, k, v, causal)
                         # Sanity, not a test: the timed kernel computes the same attention as cuDNN.
-                        row[f"{name}_maxdiff"] = (got[0] if isinstance(got, tuple) else got).sub(expected).abs().max().item()
+                        out = got[0] if isinstance(got, tuple) else got
+                        row[f"{name}_maxdiff"] = out.sub(expected).abs().max().item()
                         ms = time_ms(lambda: fn(q, k, v, causal), 3, args.reps)
                         row[name] = flops / (ms * 1e-3) / 1e12
                     except Exception as exc:  # a peer that does not run this shape: recorded, not fatal

@@ -30,16 +30,17 @@ def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         raise UnsupportedError("the hopper forward needs at least one key")
     num_m_blocks = ceil_div(sq, tile_m)
     # Causal tiles differ in length: CTAs claim them from a counter (zeroed here, on the launch's
-    # stream) instead of a fixed round robin, which left some CTAs all the long ones.
+    # stream) instead of a fixed round robin, which left some CTAs mostly long ones.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if causal != "none" else None
     params = HopperFwdParams(
         tma_q=tma.encode(q, tile_m), tma_k=tma.encode(k, tile_n), tma_v=tma.encode(v, tile_n),
         tma_o=tma.encode(out, _O_BOX_ROWS),
         lse=lse.data_ptr(), sink=0 if sink is None else sink.data_ptr(),
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, num_m_blocks=num_m_blocks,
-        scale=scale, scale_log2=scale * math.log2(math.e), tile_counter=0 if counter is None else counter.data_ptr(),
+        scale=scale, scale_log2=scale * math.log2(math.e),
+        tile_counter=0 if counter is None else counter.data_ptr(),
     )
-    # Persistent: at most one CTA per SM (the shared memory of a tile set allows no more).
+    # Persistent: one CTA per SM (each takes all of an SM's registers).
     sms = torch.cuda.get_device_properties(target.device).multi_processor_count
     return KernelLaunch(entry, (min(num_m_blocks * hq * b, sms), 1, 1), params,
                         keep_alive=() if counter is None else (counter,))

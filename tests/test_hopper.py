@@ -166,6 +166,14 @@ def test_explicit_backends():
         backends.forward_family("cudnn", (9, 0), False, FakeRegistry(True), REQUEST)
 
 
+def test_attention_forward_checks_backend_first():
+    import flashkiln
+
+    q = torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(InvalidInputError, match="backend"):
+        flashkiln.attention_forward(q, q, q, backend="cudnn")
+
+
 def test_registry_has_looks_at_the_manifest_only(tmp_path):
     from test_registry import fake_registry, descriptor, request
 

@@ -20,7 +20,6 @@ using namespace cute;
 template <class T, class AccO, class Softmax>
 __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
                                            WorkTile const& w, AccO& acc_o, Softmax& softmax) {
-  constexpr int kBoxElems = 64;
   constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
   typename T::TiledMmaO mma_o;
   auto thr_o = mma_o.get_thread_slice(thread);
@@ -38,9 +37,9 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   named_barrier_sync(1 + warpgroup, 128);
   if (thread % 128 == 0) {
     CUTE_UNROLL
-    for (int c = 0; c < T::kDimV / kBoxElems; ++c) {
-      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, ss.q + c * T::kBlockM * kBoxElems + warpgroup * 64 * kBoxElems,
-                                    c * kBoxElems, w.m_block * T::kBlockM + warpgroup * 64, w.head, w.batch);
+    for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
+      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, ss.q + c * T::kBlockM * T::kBoxCols + warpgroup * 64 * T::kBoxCols,
+                                    c * T::kBoxCols, w.m_block * T::kBlockM + warpgroup * 64, w.head, w.batch);
     }
     cute::tma_store_arrive();
     cute::tma_store_wait<0>();  // the stores have read the buffer: the producer may refill it

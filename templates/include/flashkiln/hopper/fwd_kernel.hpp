@@ -1,7 +1,7 @@
 // Hopper attention forward (sm_90a): a persistent, warp-specialized kernel. Warpgroup 0 is the
 // producer (one thread issues every TMA load); the other warpgroups consume, 64 query rows each,
 // with wgmma. Q, K and V arrive in 128-byte-swizzled shared memory through an mbarrier ring of
-// kStages K/V buffers; O leaves through TMA stores. See docs/design.md, "Hopper forward".
+// kStages K/V buffers; O leaves through TMA stores. See docs/design.md, "Hopper forward kernel".
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -36,7 +36,6 @@ __device__ __forceinline__ int key_tiles(HopperFwdParams const& p, int m_block) 
 template <class T>
 __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::SharedStorage& ss) {
   using Sched = TileScheduler<T::kCausal != Causal::none>;
-  constexpr int kBoxElems = 64;  // columns per TMA box
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_q));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
@@ -63,8 +62,8 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     }
     TxBarrier::arrive_and_expect_tx(&ss.q_full, T::kBytesQ);
     CUTE_UNROLL
-    for (int c = 0; c < T::kDimQK / kBoxElems; ++c) {
-      tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * kBoxElems, c * kBoxElems, w.m_block * T::kBlockM,
+    for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
+      tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * T::kBoxCols, c * T::kBoxCols, w.m_block * T::kBlockM,
                w.head, w.batch);
     }
     const int head_kv = w.head / group;
@@ -72,15 +71,15 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       Barrier::wait(&ss.kv_empty[kv.stage], kv.phase ^ 1);
       TxBarrier::arrive_and_expect_tx(&ss.k_full[kv.stage], T::kBytesK);
       CUTE_UNROLL
-      for (int c = 0; c < T::kDimQK / kBoxElems; ++c) {
-        tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * kBoxElems,
-                 c * kBoxElems, n_block * T::kBlockN, head_kv, w.batch);
+      for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
+        tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * T::kBoxCols,
+                 c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
       }
       TxBarrier::arrive_and_expect_tx(&ss.v_full[kv.stage], T::kBytesV);
       CUTE_UNROLL
-      for (int c = 0; c < T::kDimV / kBoxElems; ++c) {
-        tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * kBoxElems,
-                 c * kBoxElems, n_block * T::kBlockN, head_kv, w.batch);
+      for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
+        tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
+                 c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
       }
       kv.advance();
     }
