@@ -185,9 +185,12 @@ def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, Ker
         for route in ROUTES:
             cases[(f"flashkiln[{route}]", "bwd")] = (kiln, route != "atomic", route)
     if "fwd" in passes:
+        # flashkiln picks its family itself (the hopper one on an H100/H200); the portable one too.
         for name, registry in registries.items():
             cases[(name, "fwd")] = ((lambda q, k, v, registry=registry: flashkiln.attention_forward(
                 q, k, v, causal=mode, registry=registry)[0]), False, None)
+        cases[("flashkiln-portable", "fwd")] = ((lambda q, k, v: flashkiln.attention_forward(
+            q, k, v, causal=mode, backend="portable")[0]), False, None)
     return cases
 
 

@@ -176,7 +176,7 @@ def _entries(unit: CompileUnit, result: CompileResult, cubin_name: str) -> list[
             hash=d.hash, name=d.name, symbol=d.symbol, arch=d.arch, descriptor=d.as_dict(),
             cubin=cubin_name, sha256=hashlib.sha256(result.cubin).hexdigest(), cubin_bytes=len(result.cubin),
             threads=family.threads(d), smem_bytes=family.smem_bytes(d),
-            params_layout=params_layout(d.kernel).digest, registers=usage.registers,
+            params_layout=params_layout(d.kernel, d.family).digest, registers=usage.registers,
             spill_bytes=usage.spill_bytes, compile_seconds=round(result.seconds, 2), spec=variant.spec_file,
             nvrtc_version=tc.versions["nvrtc"], cutlass_version=tc.versions["nvidia-cutlass"],
             generator_version=GENERATOR_VERSION,

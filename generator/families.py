@@ -165,4 +165,6 @@ class PortableFamily:
         }
 
 
-FAMILIES: dict[str, Family] = {"portable": PortableFamily()}
+from .hopper_family import HopperFamily  # noqa: E402 (it reads this module's element tables)
+
+FAMILIES: dict[str, Family] = {"portable": PortableFamily(), "hopper": HopperFamily()}

@@ -56,7 +56,7 @@ def unit_context(descriptors: list[VariantDescriptor]) -> dict:
         "family": first.family,
         "kernel": first.kernel,
         "arch": first.arch,
-        "params": params_layout(first.kernel),
+        "params": params_layout(first.kernel, first.family),
         "generator_version": GENERATOR_VERSION,
         "variants": [variant_context(d) for d in descriptors],
     }

@@ -21,7 +21,7 @@ SCHEMA_VERSION = 1
 # Value domains of the functional axes: what the templates implement today. Specs are
 # validated against these; a value outside them is an error naming the allowed ones.
 KERNELS = ("fwd", "bwd_pre", "bwd", "bwd_post", "bwd_dq")
-FAMILIES = ("portable",)
+FAMILIES = ("portable", "hopper")
 DTYPES = ("fp16", "bf16")
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
 BIAS_MODES = ("none", "additive")

@@ -6,7 +6,9 @@ import math
 import torch
 
 from . import inputs
+from .backends import check_backend
 from .bias import KernelBias, prepare_bias
+from .hopper_forward import plan_if_hopper
 from .launch import KernelLaunch, Target, ceil_div, request, run
 from .params import FwdParams
 from .registry import KernelRegistry, default_registry
@@ -39,7 +41,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
                       scale: float | None = None, bias: torch.Tensor | None = None,
                       sink: torch.Tensor | None = None, packed: PackedBatch | None = None,
                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                      registry: KernelRegistry | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      registry: KernelRegistry | None = None,
+                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward: softmax(scale * q kᵀ + bias, causal mask) v and its log-sum-exp.
 
     q: (B, H_q, S_q, d_qk), k: (B, H_kv, S_k, d_qk), v: (B, H_kv, S_k, d_v), fp16 or bf16 on one
@@ -51,13 +54,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     that join each row's softmax denominator; the LSE includes them (flashkiln.sinks).
     Returns out (B, H_q, S_q, d_v), in q's memory order, and lse (B, H_q, S_q) in fp32 (natural
     log; -inf for a query that sees no key, whose output row is 0). `out` and `lse` may be given
-    preallocated. No autograd here: see flashkiln.scaled_dot_product_attention.
+    preallocated. backend: "hopper" (the sm_90a TMA/wgmma family; raises UnsupportedError or
+    VariantNotFoundError for what it cannot run), "portable", or None: hopper where it can run the
+    call, portable otherwise (flashkiln.backends). No autograd here: see
+    flashkiln.scaled_dot_product_attention.
 
     packed: a packed variable-length batch (flashkiln.varlen): q (total_q, H_q, d_qk), k and v
     (total_k, H_kv, d), out (total_q, H_q, d_v) and lse (H_q, total_q); causal masks and a bias
     (broadcastable to (B, H_q, max_seqlen_q, max_seqlen_k), sequence b reading the top-left
     corner of entry b) apply per sequence.
     """
+    check_backend(backend)
     if packed is not None:
         check_packed(q, k, v, packed)
         out = None if out is None else batched_view("out", out, TOKENS)
@@ -78,8 +85,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
         registry = registry or default_registry()
         target = Target.of(q)
-        run(registry, target, [plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias, target.capability,
-                                            registry, kernel_sink, packed)])
+        launch = plan_if_hopper(backend, q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink,
+                                packed is not None, target, registry)
+        run(registry, target, [launch or plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias,
+                                                      target.capability, registry, kernel_sink, packed)])
     if packed is not None:
         out, lse = as_tokens(out), as_tokens(lse)
     return out, lse

@@ -18,6 +18,9 @@ class KernelLaunch:
     entry: KernelEntry
     grid: tuple[int, int, int]
     params: ctypes.Structure
+    # Buffers the parameters point at that the caller holds no reference to (scratch made while
+    # planning): kept until the launch is enqueued, after which the stream orders their reuse.
+    keep_alive: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,9 @@ class Target:
 
 
 def request(kernel: str, dtype: str, d_qk: int, d_v: int, causal: str = "none", deterministic: bool = False,
-            bias: bool = False) -> dict[str, Any]:
-    """The functional fields (all but arch) of the portable kernel a call needs."""
-    return {"kernel": kernel, "family": "portable", "dtype": dtype, "d_qk": d_qk, "d_v": d_v, "causal": causal,
+            bias: bool = False, family: str = "portable") -> dict[str, Any]:
+    """The functional fields (all but arch) of the kernel a call needs (portable family by default)."""
+    return {"kernel": kernel, "family": family, "dtype": dtype, "d_qk": d_qk, "d_v": d_v, "causal": causal,
             "bias": "additive" if bias else "none", "deterministic": deterministic}
 
 

@@ -83,6 +83,36 @@ class BwdParams(ctypes.Structure):
     ]
 
 
+class TmaDescriptor(ctypes.Structure):
+    """A CUtensorMap's 128 bytes (runtime/tma.py fills them); 64-byte aligned on the C++ side."""
+
+    _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+
+class HopperFwdParams(ctypes.Structure):
+    """The Hopper forward's block (templates/include/flashkiln/hopper/params.hpp). The tensor maps
+    come first, at offsets that are multiples of 64, and the size is padded to a multiple of 64."""
+
+    _fields_ = [
+        ("tma_q", TmaDescriptor),
+        ("tma_k", TmaDescriptor),
+        ("tma_v", TmaDescriptor),
+        ("tma_o", TmaDescriptor),
+        ("lse", ctypes.c_uint64),
+        ("sink", ctypes.c_uint64),
+        ("batch", ctypes.c_int32),
+        ("heads_q", ctypes.c_int32),
+        ("heads_kv", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("num_m_blocks", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("scale_log2", ctypes.c_float),
+        ("tile_counter", ctypes.c_uint64),
+        ("_pad", ctypes.c_uint8 * 8),
+    ]
+
+
 # Which parameter struct each kernel takes: C++ type name and its ctypes mirror.
 PARAMS_BY_KERNEL: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "fwd": ("flashkiln::FwdParams", FwdParams),
@@ -90,6 +120,10 @@ PARAMS_BY_KERNEL: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "bwd": ("flashkiln::BwdParams", BwdParams),
     "bwd_post": ("flashkiln::BwdParams", BwdParams),
     "bwd_dq": ("flashkiln::BwdParams", BwdParams),
+}
+# Families whose kernels take another struct than PARAMS_BY_KERNEL's: (family, kernel) -> struct.
+PARAMS_BY_FAMILY_KERNEL: dict[tuple[str, str], tuple[str, type[ctypes.Structure]]] = {
+    ("hopper", "fwd"): ("flashkiln::HopperFwdParams", HopperFwdParams),
 }
 
 
@@ -99,6 +133,7 @@ class FieldLayout:
     offset: int
     size: int
     is_float: bool
+    is_aggregate: bool = False  # an array or struct field (the C++ probe initializes it with braces)
 
 
 @dataclass(frozen=True)
@@ -113,10 +148,11 @@ class ParamsLayout:
         return hashlib.sha256(f"{self.cpp_type}|{text}".encode()).hexdigest()[:16]
 
 
-def params_layout(kernel: str) -> ParamsLayout:
-    cpp_type, struct = PARAMS_BY_KERNEL[kernel]
+def params_layout(kernel: str, family: str = "portable") -> ParamsLayout:
+    cpp_type, struct = PARAMS_BY_FAMILY_KERNEL.get((family, kernel)) or PARAMS_BY_KERNEL[kernel]
     fields = tuple(
-        FieldLayout(name, getattr(struct, name).offset, getattr(struct, name).size, ctype is ctypes.c_float)
+        FieldLayout(name, getattr(struct, name).offset, getattr(struct, name).size, ctype is ctypes.c_float,
+                    issubclass(ctype, (ctypes.Array, ctypes.Structure)))
         for name, ctype in struct._fields_
     )
     return ParamsLayout(cpp_type, ctypes.sizeof(struct), fields)

@@ -135,6 +135,11 @@ class KernelRegistry:
         wanted = {**request, "arch": next(a for a in runnable if a in built_archs)}
         raise VariantNotFoundError(self._not_found_message(wanted))
 
+    def has(self, request: dict[str, Any], capability: tuple[int, int]) -> bool:
+        """Whether the manifest holds `request` for an arch that runs on `capability` (no JIT)."""
+        return any(tuple({**request, "arch": a.name}[k] for k in FUNCTIONAL_FIELDS) in self._index
+                   for a in arch_preference(capability))
+
     def _jit_entry(self, request: dict[str, Any], archs: list[str]) -> KernelEntry:
         """Compile (or take from the JIT cache) the request for the best of `archs` it has a tuning for."""
         key = (*(request[k] for k in FUNCTIONAL_FIELDS if k != "arch"), tuple(archs))
@@ -200,7 +205,7 @@ class KernelRegistry:
 
     def _get_kernel(self, entry: KernelEntry) -> Any:
         self._check_driver(entry)
-        expected_layout = params_layout(entry.descriptor["kernel"]).digest
+        expected_layout = params_layout(entry.descriptor["kernel"], entry.descriptor["family"]).digest
         if entry.params_layout != expected_layout:
             raise ManifestError(
                 f"{entry.name} was built for parameter layout {entry.params_layout}, this runtime packs "

@@ -43,9 +43,16 @@ def _poisoned_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Te
     return out_storage, out_storage[:, :, 1:-1], lse_storage, lse_storage[1:-1].view(b, h, s)
 
 
-def _check_forward(q, k, v, causal, scale, repro: str) -> None:
+# Each kernel family explicitly (auto picks hopper on an H200 wherever it can).
+BACKENDS = ("portable", "hopper")
+
+
+def _check_forward(q, k, v, causal, scale, repro: str, backend: str | None = None) -> None:
+    if backend == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper backend runs on compute capability 9.0 only")
     out_storage, out, lse_storage, lse = _poisoned_outputs(q, v.shape[-1])
-    got_out, got_lse = flashkiln.attention_forward(q, k, v, causal=causal, scale=scale, out=out, lse=lse)
+    got_out, got_lse = flashkiln.attention_forward(q, k, v, causal=causal, scale=scale, out=out, lse=lse,
+                                                   backend=backend)
     torch.cuda.synchronize()
     assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
     assert torch.isnan(out_storage[:, :, 0]).all() and torch.isnan(out_storage[:, :, -1]).all(), \
@@ -63,12 +70,13 @@ def _check_forward(q, k, v, causal, scale, repro: str) -> None:
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_sweep_gqa(dtype, sq, sk, causal, d):
-    """GQA 6/2 over every S pair, head dim and causal mode."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sweep_gqa(backend, dtype, sq, sk, causal, d):
+    """GQA 6/2 over every S pair, head dim and causal mode, each family on the same inputs."""
     seed = seed_of("sweep", dtype, sq, sk, causal, d)
     q, k, v = _inputs(seed, 2, 6, 2, sq, sk, d, dtype)
-    _check_forward(q, k, v, causal, None, _repro("test_sweep_gqa", seed=seed, dtype=dtype, sq=sq, sk=sk,
-                                                 causal=causal, d=d))
+    _check_forward(q, k, v, causal, None, _repro("test_sweep_gqa", seed=seed, backend=backend, dtype=dtype, sq=sq,
+                                                 sk=sk, causal=causal, d=d), backend=backend)
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 1), (6, 6)], ids=["mqa6-1", "mha6"])

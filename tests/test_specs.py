@@ -84,20 +84,21 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_236_unique_variants():
+def test_default_specs_expand_to_254_unique_variants():
     variants = load_variants(REPO / "specs")
-    # fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128) + 30 (sm_90a, bias) + 18 (sm_80, bias),
-    # bwd 60 + 30 (deterministic, bias), bwd_pre and bwd_post 10 each, bwd_dq 30
-    assert len(variants) == 236
-    assert len({v.descriptor.hash for v in variants}) == 236
-    assert len({v.descriptor.name for v in variants}) == 236
+    # portable: fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128) + 30 (sm_90a, bias) + 18 (sm_80,
+    # bias), bwd 60 + 30 (deterministic, bias), bwd_pre and bwd_post 10 each, bwd_dq 30; hopper: fwd 18
+    assert len(variants) == 254
+    assert len({v.descriptor.hash for v in variants}) == 254
+    assert len({v.descriptor.name for v in variants}) == 254
     assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
     assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
         (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     kinds = [v.descriptor.kernel for v in variants]
-    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [96, 90, 10, 10, 30]
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [114, 90, 10, 10, 30]
     assert sum(v.descriptor.bias == "additive" for v in variants) == 78
-    assert all(v.spec_file == SPEC for v in variants)
+    assert {v.spec_file for v in variants} == {SPEC, "specs/hopper.yaml"}
+    assert all(v.spec_file == "specs/hopper.yaml" for v in variants if v.descriptor.family == "hopper")
 
 
 def test_small_spec_expands_to_its_cross_product_with_tuned_fields(tmp_path):
@@ -307,7 +308,8 @@ def test_cli_list_with_filter():
     lines = result.stdout.splitlines()
     assert len(lines) == 6  # 3 causal modes, with and without a bias
     expected = {d.name: d.hash for d in (v.descriptor for v in load_variants(REPO / "specs"))
-                if d.kernel == "fwd" and d.arch == "sm_90a" and d.dtype == "bf16" and d.d_qk == d.d_v == 128}
+                if d.kernel == "fwd" and d.family == "portable" and d.arch == "sm_90a" and d.dtype == "bf16"
+                and d.d_qk == d.d_v == 128}
     assert {tuple(line.split("  ")) for line in lines} == set(expected.items())
     assert "6 variant(s)" in result.stderr
 

@@ -1,0 +1,85 @@
+"""The Hopper kernel family (templates/include/flashkiln/hopper): TMA + wgmma, sm_90a only.
+
+One producer warpgroup and one consumer warpgroup per 64 query rows; K/V stream through a ring
+of `stages` shared-memory buffers. The formulas here are static_asserted by the C++ side
+(threads, shared-memory bytes), like the portable family's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from flashkiln.archs import ARCHS
+from flashkiln.descriptor import VariantDescriptor
+
+# Imported by families.py after it defines these tables.
+from .families import _ELEMENT, _ELEMENT_BYTES
+
+# Shared memory beyond the tiles: the mbarriers (rounded up to the 1024-byte alignment of the
+# storage struct) and the slack for aligning the dynamic allocation to 1024 bytes.
+_BARRIER_BLOCK = 1024
+_ALIGN_SLACK = 1024 - 16
+_BOX_COLS = 64  # TMA box width in elements: one 128-byte swizzle atom
+
+
+class HopperFamily:
+    """Warp-specialized forward for sm_90a (hopper/fwd_kernel.hpp)."""
+
+    shared_tiles: dict[str, str] = {}
+
+    def template_name(self, d: VariantDescriptor) -> str:
+        return "hopper_fwd.cu.j2"
+
+    def threads(self, d: VariantDescriptor) -> int:
+        return 32 * d.warps
+
+    def consumer_warpgroups(self, d: VariantDescriptor) -> int:
+        return d.tile_m // 64
+
+    def smem_bytes(self, d: VariantDescriptor) -> int:
+        elem = _ELEMENT_BYTES[d.dtype]
+        tiles = elem * (d.tile_m * d.d_qk + d.stages * d.tile_n * (d.d_qk + d.d_v))
+        return tiles + _BARRIER_BLOCK + _ALIGN_SLACK
+
+    def functional_errors(self, d: VariantDescriptor) -> list[str]:
+        errors = []
+        if d.kernel != "fwd":
+            errors.append(f"kernel={d.kernel}: the hopper family has only the forward (fwd)")
+        if d.arch != "sm_90a":
+            errors.append(f"arch={d.arch}: the hopper family needs wgmma and setmaxnreg: sm_90a only")
+        if d.bias != "none":
+            errors.append(f"bias={d.bias}: the hopper forward has no bias yet (the portable family has)")
+        if d.deterministic:
+            errors.append("deterministic=true: only bwd has the axis")
+        for name, dim in (("d_qk", d.d_qk), ("d_v", d.d_v)):
+            if dim % _BOX_COLS:
+                errors.append(f"{name}={dim}: must be a multiple of {_BOX_COLS} (whole 128-byte swizzle atoms)")
+        if d.d_v > d.d_qk:
+            errors.append(f"d_v={d.d_v} > d_qk={d.d_qk}: O is staged in Q's shared-memory buffer")
+        return errors
+
+    def tuning_errors(self, d: VariantDescriptor) -> list[str]:
+        errors = []
+        if d.tile_m not in (64, 128, 192):
+            errors.append(f"tile_m={d.tile_m}: must be 64, 128 or 192 (64 rows per consumer warpgroup)")
+        else:
+            warps = 4 * (1 + self.consumer_warpgroups(d))
+            if d.warps != warps:
+                errors.append(f"warps={d.warps}: tile_m={d.tile_m} needs {warps} (a producer warpgroup and "
+                              f"{self.consumer_warpgroups(d)} consumer warpgroup(s))")
+        if d.tile_n % 16 or not 16 <= d.tile_n <= 256:
+            errors.append(f"tile_n={d.tile_n}: must be a multiple of 16 between 16 and 256 (wgmma N, TMA box)")
+        if d.stages < 2:
+            errors.append(f"stages={d.stages}: the K/V ring needs at least 2 buffers")
+        smem, limit = self.smem_bytes(d), ARCHS[d.arch].max_smem_per_block
+        if smem > limit:
+            errors.append(f"tile {d.tile_m}x{d.tile_n} with {d.stages} stage(s) needs {smem} bytes of shared "
+                          f"memory at d_qk={d.d_qk}, d_v={d.d_v}; {d.arch} allows {limit}")
+        return errors
+
+    def template_context(self, d: VariantDescriptor) -> dict[str, Any]:
+        return {
+            "element": _ELEMENT[d.dtype],
+            "causal": d.causal,
+            "threads": self.threads(d),
+            "smem_bytes": self.smem_bytes(d),
+        }

@@ -1,0 +1,63 @@
+"""Planning a Hopper-family forward launch: variant lookup, tensor maps, parameter block, grid."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import inputs, tma
+from .backends import forward_family
+from .bias import KernelBias
+from .errors import UnsupportedError
+from .launch import KernelLaunch, Target, ceil_div, request
+from .params import HopperFwdParams
+from .registry import KernelRegistry
+
+# Rows of one TMA store of O: each consumer warpgroup writes its own 64 rows.
+_O_BOX_ROWS = 64
+
+
+def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        causal: str, scale: float, sink: torch.Tensor | None, target: Target,
+                        registry: KernelRegistry) -> KernelLaunch:
+    """The persistent Hopper forward for checked inputs; UnsupportedError where TMA cannot address them."""
+    b, hq, sq, dqk = q.shape
+    _, hkv, sk, dv = v.shape
+    entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal, family="hopper"),
+                          target.capability)
+    tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
+    if sk == 0:
+        raise UnsupportedError("the hopper forward needs at least one key")
+    num_m_blocks = ceil_div(sq, tile_m)
+    # Causal tiles differ in length: CTAs claim them from a counter (zeroed here, on the launch's
+    # stream) instead of a fixed round robin, which left some CTAs mostly long ones.
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if causal != "none" else None
+    params = HopperFwdParams(
+        tma_q=tma.encode(q, tile_m), tma_k=tma.encode(k, tile_n), tma_v=tma.encode(v, tile_n),
+        tma_o=tma.encode(out, _O_BOX_ROWS),
+        lse=lse.data_ptr(), sink=0 if sink is None else sink.data_ptr(),
+        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, num_m_blocks=num_m_blocks,
+        scale=scale, scale_log2=scale * math.log2(math.e),
+        tile_counter=0 if counter is None else counter.data_ptr(),
+    )
+    # Persistent: one CTA per SM (each takes all of an SM's registers).
+    sms = torch.cuda.get_device_properties(target.device).multi_processor_count
+    return KernelLaunch(entry, (min(num_m_blocks * hq * b, sms), 1, 1), params,
+                        keep_alive=() if counter is None else (counter,))
+
+
+def plan_if_hopper(backend: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: str, scale: float, bias: KernelBias | None, sink: torch.Tensor | None,
+                   packed: bool, target: Target, registry: KernelRegistry) -> KernelLaunch | None:
+    """The Hopper launch when `backend` selects that family for this call, else None (portable).
+
+    Under auto, inputs whose layout TMA cannot address go to the portable family too."""
+    hopper_request = request("fwd", inputs.DTYPES[q.dtype], q.shape[3], v.shape[3], causal, family="hopper")
+    if forward_family(backend, target.capability, bias is not None, registry, hopper_request, packed) != "hopper":
+        return None
+    try:
+        return plan_hopper_forward(q, k, v, out, lse, causal, scale, sink, target, registry)
+    except UnsupportedError:
+        if backend == "hopper":
+            raise
+        return None

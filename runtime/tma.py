@@ -1,0 +1,81 @@
+"""TMA tensor maps for the Hopper kernels, encoded on the host (cuTensorMapEncodeTiled).
+
+CuTe's host-side TMA helpers are not available under NVRTC, so the runtime builds the maps: a
+(B, H, S, d) tensor with a contiguous head dim becomes a 4-d map (d, S, H, B) with byte strides,
+read and written in boxes of 64 columns (one 128-byte swizzle atom) by `rows` rows. Rows past S
+are zero-filled on loads and dropped on stores, so tiles never reach into the next head.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedError
+from .params import TmaDescriptor
+
+BOX_COLS = 64  # elements: 128 bytes of fp16/bf16, the 128-byte swizzle's row
+_MAX_BOX_ROWS = 256
+_MAX_STRIDE = 1 << 40  # bytes, exclusive
+
+
+@dataclass(frozen=True)
+class TensorMapShape:
+    """What a tensor map of a (B, H, S, d) tensor is encoded from (innermost dim first)."""
+
+    address: int
+    dims: tuple[int, int, int, int]     # (d, S, H, B)
+    strides: tuple[int, int, int]       # bytes of S, H, B steps
+    box: tuple[int, int, int, int]      # (BOX_COLS, rows, 1, 1)
+
+
+def tensor_map_shape(t: torch.Tensor, rows: int) -> TensorMapShape:
+    """The map's shape for `t` and a box of `rows` rows; UnsupportedError where TMA cannot read `t`
+    (the caller then falls back to a kernel that reads through plain pointers)."""
+    if t.dim() != 4 or t.stride(3) != 1:
+        raise UnsupportedError(f"TMA needs a 4-d tensor with a contiguous head dim, got strides {t.stride()}")
+    b, h, s, d = t.shape
+    elem = t.element_size()
+    if d % BOX_COLS or not 0 < rows <= _MAX_BOX_ROWS:
+        raise UnsupportedError(f"TMA boxes of {BOX_COLS} columns x {rows} rows do not fit head dim {d}")
+    if t.data_ptr() % 16:
+        raise UnsupportedError("TMA needs a 16-byte aligned base address")
+    strides = []
+    span = d * elem  # bytes of one step of the previous dim, for dims of extent 1 (any stride is fine)
+    for extent, stride in ((s, t.stride(2)), (h, t.stride(1)), (b, t.stride(0))):
+        step = stride * elem if extent > 1 else span
+        if step <= 0 or step % 16 or step >= _MAX_STRIDE:
+            raise UnsupportedError(f"TMA needs strides that are positive multiples of 16 bytes, got {t.stride()}")
+        strides.append(step)
+        span = step * extent
+    return TensorMapShape(t.data_ptr(), (d, s, h, b), tuple(strides), (BOX_COLS, rows, 1, 1))
+
+
+def encode(t: torch.Tensor, rows: int) -> TmaDescriptor:
+    """The CUtensorMap of `t` (fp16/bf16) for boxes of `rows` rows, 128-byte swizzled."""
+    descriptor = TmaDescriptor()
+    descriptor.words[:] = _encoded(tensor_map_shape(t, rows), t.dtype)
+    return descriptor
+
+
+# A map is a pure function of its shape (address included), and the caching allocator hands the
+# same addresses out again: repeated calls skip the driver call.
+@functools.lru_cache(maxsize=1024)
+def _encoded(shape: TensorMapShape, dtype: torch.dtype) -> tuple[int, ...]:
+    from cuda.bindings import driver as cu
+
+    data_type = {torch.float16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                 torch.bfloat16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[dtype]
+    err, tensor_map = cu.cuTensorMapEncodeTiled(
+        data_type, 4, shape.address, [cu.cuuint64_t(x) for x in shape.dims],
+        [cu.cuuint64_t(x) for x in shape.strides], [cu.cuuint32_t(x) for x in shape.box],
+        [cu.cuuint32_t(1)] * 4,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise UnsupportedError(f"cuTensorMapEncodeTiled refused {shape}: {err}")
+    return tuple(int(w) for w in tensor_map.opaque)

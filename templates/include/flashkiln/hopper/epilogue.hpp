@@ -1,0 +1,63 @@
+// The forward's epilogue, per consumer warpgroup: normalize O, stage it in the warpgroup's rows
+// of the Q/O buffer (swizzled like Q) and write it with TMA stores, which clip rows past the
+// sequence end; LSE goes straight from registers. Then the buffer is handed back to the producer.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include <flashkiln/common.hpp>
+#include <flashkiln/hopper/mma.hpp>
+#include <flashkiln/hopper/params.hpp>
+#include <flashkiln/hopper/pipeline.hpp>
+#include <flashkiln/hopper/tile_scheduler.hpp>
+#include <flashkiln/portable/tile_ops.hpp>
+
+namespace flashkiln::hopper {
+
+using namespace cute;
+
+template <class T, class AccO, class Softmax>
+__device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
+                                           WorkTile const& w, AccO& acc_o, Softmax& softmax) {
+  constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
+  typename T::TiledMmaO mma_o;
+  auto thr_o = mma_o.get_thread_slice(thread);
+  const int warpgroup = thread / 128;
+
+  float lse[kRows];
+  const float sink = p.sink != 0 ? reinterpret_cast<float const*>(p.sink)[w.head] : -kInfinity;
+  softmax.finalize(rowcol(acc_o), p.scale, sink, lse);
+  Tensor rO = portable::convert_fragment<typename T::Element>(acc_o);
+  Tensor sO = make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutO{});
+  named_barrier_sync(1 + warpgroup, 128);  // the warpgroup's last wgmma has read its Q rows
+  copy(rO, thr_o.partition_C(sO));
+  // Generic-proxy writes that the TMA engine reads next: fence, then gather the warpgroup.
+  cutlass::arch::fence_view_async_shared();
+  named_barrier_sync(1 + warpgroup, 128);
+  if (thread % 128 == 0) {
+    CUTE_UNROLL
+    for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
+      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, ss.q + c * T::kBlockM * T::kBoxCols + warpgroup * 64 * T::kBoxCols,
+                                    c * T::kBoxCols, w.m_block * T::kBlockM + warpgroup * 64, w.head, w.batch);
+    }
+    cute::tma_store_arrive();
+    cute::tma_store_wait<0>();  // the stores have read the buffer: the producer may refill it
+    Barrier::arrive(&ss.q_empty);
+  }
+
+  // The thread holding column 0 of a row writes that row's LSE.
+  Tensor tOcO = rowcol(thr_o.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kDimV>>{})));
+  if (get<1>(tOcO(0, 0)) == 0) {
+    float* lse_rows = reinterpret_cast<float*>(p.lse) + (int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = w.m_block * T::kBlockM + get<0>(tOcO(r, 0));
+      if (row < p.seqlen_q) {
+        lse_rows[row] = lse[r];
+      }
+    }
+  }
+}
+
+}  // namespace flashkiln::hopper

@@ -1,0 +1,75 @@
+// Hopper attention forward (sm_90a): a persistent, warp-specialized kernel. Warpgroup 0 is the
+// producer (one thread issues every TMA load); the other warpgroups consume, 64 query rows each,
+// with wgmma. Q, K and V arrive in 128-byte-swizzled shared memory through an mbarrier ring of
+// kStages K/V buffers; O leaves through TMA stores. See docs/design.md, "Hopper forward kernel".
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <flashkiln/common.hpp>
+#include <flashkiln/hopper/epilogue.hpp>
+#include <flashkiln/hopper/mainloop.hpp>
+#include <flashkiln/hopper/params.hpp>
+#include <flashkiln/hopper/pipeline.hpp>
+#include <flashkiln/hopper/tile_scheduler.hpp>
+#include <flashkiln/hopper/traits.hpp>
+
+namespace flashkiln::hopper {
+
+using namespace cute;
+
+template <class T>
+__device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
+  using SharedStorage = typename T::SharedStorage;
+  extern __shared__ char smem_raw[];
+  auto& ss = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.q_full, 1);
+    Barrier::init(&ss.q_empty, T::kConsumerWarpgroups);
+    CUTE_UNROLL
+    for (int s = 0; s < T::kStages; ++s) {
+      Barrier::init(&ss.k_full[s], 1);
+      Barrier::init(&ss.v_full[s], 1);
+      Barrier::init(&ss.kv_empty[s], T::kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      produce<T>(p, ss);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    const int thread = threadIdx.x - 128;
+    TileScheduler<T::kCausal != Causal::none> sched(p.num_m_blocks, p.heads_q, p.batch, p.tile_counter);
+    typename T::TiledMmaO mma_o;
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<T::kBlockM>, Int<T::kDimV>>{});
+    constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
+    PipelineState<T::kStages> kv;
+    uint32_t q_full_phase = 0;
+    while (true) {
+      // The producer names each tile (or the end) before the Q it loads for it.
+      Barrier::wait(&ss.q_full, q_full_phase);
+      q_full_phase ^= 1;
+      const int tile = *reinterpret_cast<volatile int*>(&ss.tile);
+      if (!sched.valid(tile)) {
+        break;
+      }
+      const WorkTile w = sched.decode(tile);
+      const int n_blocks = key_tiles<T>(p, w.m_block);
+      portable::OnlineSoftmax<kRows> softmax;
+      clear(acc_o);
+      consume_tile<T>(p, ss, thread, w.m_block, n_blocks, kv, acc_o, softmax);
+      store_tile<T>(p, ss, thread, w, acc_o, softmax);
+    }
+  }
+}
+
+}  // namespace flashkiln::hopper

@@ -1,0 +1,134 @@
+// The forward's main loop, both roles: the producer thread streams Q once per work tile and
+// K/V tiles through the stage ring with TMA; the consumer warpgroups compute S = Q K^T, the
+// online softmax and O += P V on wgmma. Key tiles run last to first, so the partial tile at the
+// sequence end and the tiles on a causal diagonal come first and are the only ones masked.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <flashkiln/common.hpp>
+#include <flashkiln/hopper/mma.hpp>
+#include <flashkiln/hopper/params.hpp>
+#include <flashkiln/hopper/pipeline.hpp>
+#include <flashkiln/hopper/tile_scheduler.hpp>
+#include <flashkiln/portable/masking.hpp>
+#include <flashkiln/portable/online_softmax.hpp>
+#include <flashkiln/portable/tile_ops.hpp>
+
+namespace flashkiln::hopper {
+
+using namespace cute;
+
+// Key tiles a query tile needs: all of them, or those up to its last visible key (0: none).
+template <class T>
+__device__ __forceinline__ int key_tiles(HopperFwdParams const& p, int m_block) {
+  int n_blocks = ceil_div(p.seqlen_k, T::kBlockN);
+  if constexpr (T::kCausal != Causal::none) {
+    const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+    const int last_row = min(p.seqlen_q, (m_block + 1) * T::kBlockM) - 1;
+    const int last_visible = last_row + causal_offset;
+    n_blocks = last_visible < 0 ? 0 : min(n_blocks, last_visible / T::kBlockN + 1);
+  }
+  return n_blocks;
+}
+
+// One thread of the producer warpgroup: every load of every work tile of this CTA.
+template <class T>
+__device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::SharedStorage& ss) {
+  using Sched = TileScheduler<T::kCausal != Causal::none>;
+  cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_q));
+  cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
+  cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
+  const int group = p.heads_q / p.heads_kv;
+  Sched sched(p.num_m_blocks, p.heads_q, p.batch, p.tile_counter);
+  PipelineState<T::kStages> kv;
+  uint32_t q_empty_phase = 0;
+  for (int tile = sched.first(), step = 0;; tile = sched.next(tile), ++step) {
+    if (step > 0) {  // the consumers are done with the previous tile (and its O left the buffer)
+      Barrier::wait(&ss.q_empty, q_empty_phase);
+      q_empty_phase ^= 1;
+    }
+    // The q_full arrival below releases this store to the consumers.
+    *reinterpret_cast<volatile int*>(&ss.tile) = tile;
+    if (!sched.valid(tile)) {
+      Barrier::arrive(&ss.q_full);  // no more work: the consumers exit
+      return;
+    }
+    const WorkTile w = sched.decode(tile);
+    const int n_blocks = key_tiles<T>(p, w.m_block);
+    if (n_blocks == 0) {
+      Barrier::arrive(&ss.q_full);  // nothing to load: the consumers only write O = 0
+      continue;
+    }
+    TxBarrier::arrive_and_expect_tx(&ss.q_full, T::kBytesQ);
+    CUTE_UNROLL
+    for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
+      tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * T::kBoxCols, c * T::kBoxCols, w.m_block * T::kBlockM,
+               w.head, w.batch);
+    }
+    const int head_kv = w.head / group;
+    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+      Barrier::wait(&ss.kv_empty[kv.stage], kv.phase ^ 1);
+      TxBarrier::arrive_and_expect_tx(&ss.k_full[kv.stage], T::kBytesK);
+      CUTE_UNROLL
+      for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
+        tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * T::kBoxCols,
+                 c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
+      }
+      TxBarrier::arrive_and_expect_tx(&ss.v_full[kv.stage], T::kBytesV);
+      CUTE_UNROLL
+      for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
+        tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
+                 c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
+      }
+      kv.advance();
+    }
+  }
+}
+
+// The consumer warpgroups' main loop over one work tile's key tiles: returns with acc_o holding
+// the unnormalized output and `softmax` the row statistics.
+template <class T, class AccO, class Softmax>
+__device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
+                                             int m_block, int n_blocks, PipelineState<T::kStages>& kv, AccO& acc_o,
+                                             Softmax& softmax) {
+  using portable::convert_fragment;
+  typename T::TiledMmaS mma_s;
+  typename T::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(thread);
+  auto thr_o = mma_o.get_thread_slice(thread);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename T::SmemLayoutVt{});
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // shared-memory descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);  // (MMA, N, K, stage)
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);
+  Tensor tScS = rowcol(thr_s.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{})));
+  const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+
+  for (int step = 0, n_block = n_blocks - 1; n_block >= 0; ++step, --n_block) {
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
+    Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+    wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
+    warpgroup_wait<0>();
+    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(m_block * T::kBlockM, n_block * T::kBlockN,
+                                                                p.seqlen_k, causal_offset)) {
+      portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * T::kBlockM, n_block * T::kBlockN,
+                                        p.seqlen_k, causal_offset);
+    }
+    if (step == 0) {
+      softmax.template update<true>(rowcol(acc_s), rowcol(acc_o), p.scale_log2);
+    } else {
+      softmax.template update<false>(rowcol(acc_s), rowcol(acc_o), p.scale_log2);
+    }
+    Tensor p_regs = convert_fragment<typename T::Element>(acc_s);
+    Tensor tOrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
+    Barrier::wait(&ss.v_full[kv.stage], kv.phase);
+    wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, kv.stage), acc_o);
+    warpgroup_wait<0>();
+    Barrier::arrive(&ss.kv_empty[kv.stage]);
+    kv.advance();
+  }
+}
+
+}  // namespace flashkiln::hopper

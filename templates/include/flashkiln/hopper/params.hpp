@@ -1,0 +1,32 @@
+// Parameter block of the Hopper forward, mirrored by HopperFwdParams in runtime/params.py (the
+// unit static_asserts every field's size and offset against it, as for FwdParams).
+#pragma once
+
+#include <cuda/std/cstdint>
+
+namespace flashkiln {
+
+// A CUtensorMap, encoded on the host by cuTensorMapEncodeTiled (runtime/tma.py). TMA reads it
+// from the kernel's __grid_constant__ parameter, which needs 64-byte alignment.
+struct alignas(64) TmaDescriptor {
+  uint64_t words[16];
+};
+
+struct HopperFwdParams {
+  // 4-d maps (column, row, head, batch) over Q, K, V (loads) and O (stores): they carry the
+  // addresses, shapes and strides of the four tensors.
+  TmaDescriptor tma_q, tma_k, tma_v, tma_o;
+  uint64_t lse;   // float (batch, heads_q, seqlen_q), dense; natural log
+  uint64_t sink;  // float (heads_q,), or 0
+  int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  int32_t num_m_blocks;  // query tiles per head
+  float scale;           // applied to Q K^T
+  float scale_log2;      // scale * log2(e)
+  // An int in global memory, zero at launch, from which CTAs claim work tiles past their first
+  // (the runtime passes one under a causal mask, where tiles differ in length); 0: a fixed
+  // round robin.
+  uint64_t tile_counter;
+  uint8_t _pad[8];       // to a multiple of the descriptors' 64-byte alignment
+};
+
+}  // namespace flashkiln

@@ -1,0 +1,88 @@
+// Compile-time shape of one Hopper forward variant: warp roles, shared-memory layouts (128-byte
+// swizzled, as TMA writes them and wgmma reads them), the two warpgroup MMAs and the byte counts
+// the pipeline expects per TMA load.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include <flashkiln/common.hpp>
+
+namespace flashkiln::hopper {
+
+using namespace cute;
+
+template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kDimQK = kDimQK_;
+  static constexpr int kDimV = kDimV_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr Causal kCausal = kCausal_;
+
+  // One producer warpgroup (a single thread issues the TMA loads), then one consumer warpgroup
+  // per 64 query rows of the tile.
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  // setmaxnreg budgets: the producer hands registers to the consumers. The CTA keeps what it was
+  // launched with (65536 / kThreads each, rounded down to 8: 168 for 384 threads, 128 for 512),
+  // so the sum must not exceed that. The producer needs ~40 not to spill its schedule state.
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 3 ? 32 : 40;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 1 ? 240 : kConsumerWarpgroups == 2 ? 232 : 160;
+  static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "setmaxnreg budgets exceed the CTA's registers");
+  // TMA boxes are 64 columns (128 bytes, one swizzle atom) wide.
+  static constexpr int kBoxCols = 64;
+
+  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups <= 3, "64 query rows per consumer warpgroup");
+  static_assert(kDimQK % kBoxCols == 0 && kDimV % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tile: wgmma N and the P V GEMM's k16 steps");
+  static_assert(kStages >= 2, "at least a double-buffered K/V pipeline");
+
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns, 128-byte swizzle
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDimQK>>{}));
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDimV>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimQK>, Int<kStages>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimV>, Int<kStages>>{}));
+  // V read as the B operand of P V: (d_v, keys, stage), d_v contiguous (MN-major).
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  // S = Q K^T: both operands in shared memory. O += P V: P from registers.
+  using TiledMmaS = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN>, Int<kDimQK>>>(),
+      Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
+  using TiledMmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDimV>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
+
+  static constexpr int kElemsQ = kBlockM * kDimQK;
+  static constexpr int kElemsK = kBlockN * kDimQK;  // per stage
+  static constexpr int kElemsV = kBlockN * kDimV;   // per stage
+  static_assert(kBlockM * kDimV <= kElemsQ, "O is staged in Q's buffer");
+  static constexpr uint32_t kBytesQ = kElemsQ * sizeof(Element);
+  static constexpr uint32_t kBytesK = kElemsK * sizeof(Element);
+  static constexpr uint32_t kBytesV = kElemsV * sizeof(Element);
+
+  // Swizzled buffers start on 1024-byte boundaries (the 128-byte swizzle repeats every 8 rows).
+  struct SharedStorage {
+    alignas(1024) Element q[kElemsQ];  // Q, then this tile's O on its way out
+    alignas(1024) Element k[kStages * kElemsK];
+    alignas(1024) Element v[kStages * kElemsV];
+    uint64_t q_full;              // Q landed (TMA transaction count)
+    uint64_t q_empty;             // every consumer warpgroup is done with the Q/O buffer
+    uint64_t k_full[kStages];
+    uint64_t v_full[kStages];
+    uint64_t kv_empty[kStages];   // the consumers finished reading the stage's K and V
+    int tile;                     // the work tile of the current Q (valid once q_full completes)
+  };
+  // The dynamic allocation starts 16-byte aligned at worst: room to round up to 1024.
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024 - 16;
+};
+
+}  // namespace flashkiln::hopper

@@ -1,0 +1,189 @@
+"""The Hopper family on the CPU: specs and tunings, the parameter block, rendering, NVRTC + SASS,
+tensor-map shapes and backend selection (the GPU side is tests/test_hopper_forward_gpu.py)."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashkiln.descriptor import VariantDescriptor
+from flashkiln.errors import InvalidInputError, UnsupportedError
+from flashkiln.generator.families import FAMILIES
+from flashkiln.generator.render import render
+from flashkiln.generator.specs import load_variants
+from flashkiln.params import HopperFwdParams, params_layout
+from flashkiln import backends, tma
+
+REPO = Path(__file__).resolve().parent.parent
+HOPPER = FAMILIES["hopper"]
+
+
+def hopper(**overrides) -> VariantDescriptor:
+    fields = dict(kernel="fwd", family="hopper", arch="sm_90a", dtype="bf16", d_qk=128, d_v=128, causal="none",
+                  bias="none", deterministic=False, tile_m=128, tile_n=128, warps=12, stages=2)
+    return VariantDescriptor(**{**fields, **overrides})
+
+
+# -- specs and tunings ---------------------------------------------------------------------------
+
+def test_default_hopper_specs_cover_the_forward_contract():
+    variants = [v.descriptor for v in load_variants(REPO / "specs") if v.descriptor.family == "hopper"]
+    assert {(d.kernel, d.arch) for d in variants} == {("fwd", "sm_90a")}
+    assert {d.d_qk for d in variants} == {64, 128, 256}
+    assert {d.causal for d in variants} == {"none", "top_left", "bottom_right"}
+    assert {d.dtype for d in variants} == {"fp16", "bf16"}
+    assert all(not HOPPER.functional_errors(d) and not HOPPER.tuning_errors(d) for d in variants)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"kernel": "bwd"}, "only the forward"),
+    ({"arch": "sm_80"}, "sm_90a only"),
+    ({"bias": "additive"}, "no bias"),
+    ({"d_qk": 96, "d_v": 96}, "multiple of 64"),
+    ({"d_qk": 128, "d_v": 256}, "staged in Q"),
+])
+def test_functional_errors(overrides, message):
+    errors = HOPPER.functional_errors(hopper(**overrides))
+    assert any(message in e for e in errors), errors
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"warps": 8}, "needs 12"),
+    ({"tile_m": 96}, "64, 128 or 192"),
+    ({"tile_n": 72}, "multiple of 16"),
+    ({"stages": 1}, "at least 2"),
+    ({"d_qk": 256, "d_v": 256, "tile_n": 128, "stages": 3}, "bytes of shared memory"),
+])
+def test_tuning_errors(overrides, message):
+    errors = HOPPER.tuning_errors(hopper(**overrides))
+    assert any(message in e for e in errors), errors
+
+
+def test_smem_formula():
+    d = hopper()
+    assert HOPPER.smem_bytes(d) == 2 * (128 * 128 + 2 * 128 * 256) + 1024 + 1008
+    assert HOPPER.threads(d) == 384
+
+
+# -- parameter block -----------------------------------------------------------------------------
+
+def test_params_block_keeps_tensor_maps_64_byte_aligned():
+    layout = params_layout("fwd", "hopper")
+    assert layout.cpp_type == "flashkiln::HopperFwdParams"
+    assert layout.size % 64 == 0 and layout.size == ctypes.sizeof(HopperFwdParams)
+    maps = [f for f in layout.fields if f.name.startswith("tma_")]
+    assert [f.offset for f in maps] == [0, 128, 256, 384] and all(f.size == 128 and f.is_aggregate for f in maps)
+    assert params_layout("fwd", "hopper").digest != params_layout("fwd").digest
+
+
+def test_rendered_unit_checks_the_hopper_params_abi():
+    source = render(hopper())
+    assert "using Params = flashkiln::HopperFwdParams;" in source
+    assert "{1},  // tma_q" in source  # aggregates are probed with braces (no brace elision)
+    assert "flashkiln::hopper::FwdTraits<" in source and "__launch_bounds__(384, 1)" in source
+
+
+@pytest.mark.nvrtc
+def test_compiled_kernel_uses_tma_and_wgmma(tmp_path, build_cache):
+    """The real toolchain: the d=128 causal variant has HGMMA, TMA loads and stores, setmaxnreg, no spills."""
+    from flashkiln.generator import build
+    from flashkiln.generator.sass import disassemble, opcode_counts
+
+    specs = tmp_path / "specs"
+    (specs / "tuning").mkdir(parents=True)
+    (specs / "hopper.yaml").write_text((REPO / "specs" / "hopper.yaml").read_text())
+    (specs / "tuning" / "hopper.yaml").write_text((REPO / "specs" / "tuning" / "hopper.yaml").read_text())
+    selection = build.Selection(r"fwd_hopper_sm90a_bf16_d128_causal-br_", None)
+    manifest = build.generate(specs, tmp_path / "out", workers=1, selection=selection, cache_dir=build_cache,
+                              progress=False, report=False)
+    (entry,) = manifest.kernels
+    assert entry.threads == 384 and entry.spill_bytes == 0
+    ops = opcode_counts(disassemble(manifest.directory / entry.cubin))
+    assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["UTMASTG"] > 0 and ops["USETMAXREG"] > 0, ops
+    assert ops["HMMA"] == 0 and ops["LDL"] == 0 and ops["STL"] == 0, ops
+
+
+# -- tensor maps ----------------------------------------------------------------------------------
+
+def test_tensor_map_shape_of_bhsd_and_bshd_tensors():
+    t = torch.empty(2, 3, 100, 128, dtype=torch.bfloat16)
+    shape = tma.tensor_map_shape(t, 128)
+    assert shape.dims == (128, 100, 3, 2) and shape.strides == (256, 256 * 100, 256 * 300)
+    assert shape.box == (64, 128, 1, 1)
+    bshd = torch.empty(2, 100, 3, 64, dtype=torch.float16).transpose(1, 2)
+    assert tma.tensor_map_shape(bshd, 64).strides == (3 * 128, 128, 100 * 3 * 128)
+
+
+def test_tensor_map_ignores_strides_of_unit_dims():
+    t = torch.empty(1, 1, 100, 64, dtype=torch.bfloat16).as_strided((1, 1, 100, 64), (0, 3, 64, 1))
+    assert tma.tensor_map_shape(t, 64).strides == (128, 128 * 100, 128 * 100)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(2, 3, 100, 96, dtype=torch.bfloat16),                           # d not in 64-wide boxes
+    lambda: torch.empty(2, 1, 100, 64, dtype=torch.bfloat16).expand(2, 4, 100, 64),     # broadcast heads
+    lambda: torch.empty(2, 3, 100, 128, dtype=torch.bfloat16)[..., ::2],                 # strided head dim
+])
+def test_tensor_maps_refuse_what_tma_cannot_address(make):
+    with pytest.raises(UnsupportedError):
+        tma.tensor_map_shape(make(), 64)
+
+
+# -- backend selection ---------------------------------------------------------------------------
+
+class FakeRegistry:
+    def __init__(self, has: bool):
+        self._has = has
+
+    def has(self, request, capability) -> bool:
+        return self._has
+
+
+REQUEST = {"kernel": "fwd", "family": "hopper"}
+
+
+@pytest.mark.parametrize("capability, bias, has, expected", [
+    ((9, 0), False, True, "hopper"),
+    ((9, 0), False, False, "portable"),   # variant not generated
+    ((9, 0), True, True, "portable"),     # bias: portable only
+    ((8, 0), False, True, "portable"),
+])
+def test_auto_prefers_hopper_where_it_can_run(capability, bias, has, expected):
+    assert backends.forward_family(None, capability, bias, FakeRegistry(has), REQUEST) == expected
+
+
+def test_explicit_backends():
+    assert backends.forward_family("portable", (9, 0), False, FakeRegistry(True), REQUEST) == "portable"
+    assert backends.forward_family("hopper", (9, 0), False, FakeRegistry(False), REQUEST) == "hopper"
+    with pytest.raises(UnsupportedError, match="compute capability 9.0"):
+        backends.forward_family("hopper", (8, 0), False, FakeRegistry(True), REQUEST)
+    with pytest.raises(UnsupportedError, match="bias"):
+        backends.forward_family("hopper", (9, 0), True, FakeRegistry(True), REQUEST)
+    with pytest.raises(InvalidInputError):
+        backends.forward_family("cudnn", (9, 0), False, FakeRegistry(True), REQUEST)
+
+
+def test_packed_batches_run_on_the_portable_family():
+    assert backends.forward_family(None, (9, 0), False, FakeRegistry(True), REQUEST, packed=True) == "portable"
+    with pytest.raises(UnsupportedError, match="packed"):
+        backends.forward_family("hopper", (9, 0), False, FakeRegistry(True), REQUEST, packed=True)
+
+
+def test_attention_forward_checks_backend_first():
+    import flashkiln
+
+    q = torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(InvalidInputError, match="backend"):
+        flashkiln.attention_forward(q, q, q, backend="cudnn")
+
+
+def test_registry_has_looks_at_the_manifest_only(tmp_path):
+    from test_registry import fake_registry, descriptor, request
+
+    registry, _ = fake_registry(tmp_path, [descriptor(arch="sm_90a")])
+    assert registry.has(request(), (9, 0))
+    assert not registry.has(request(), (8, 0))
+    assert not registry.has({**request(), "family": "hopper"}, (9, 0))

@@ -1,0 +1,130 @@
+"""The Hopper forward (backend="hopper") on an sm_90 GPU against the fp32 reference, beyond the
+shared sweep in tests/test_forward_gpu.py (which runs both families): MQA/MHA in (B, S, H, D)
+storage, the two families agree, auto selection, sinks, persistence over many tiles, typed
+refusals."""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+import flashkiln
+from reference import attention_reference, fa_style_check, repro_line, seed_of
+from test_forward_gpu import CAUSAL, HEAD_DIMS, _check_forward, _inputs
+
+pytestmark = pytest.mark.gpu
+_repro = partial(repro_line, "test_hopper_forward_gpu.py")
+
+
+@pytest.fixture(autouse=True)
+def _needs_hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper backend runs on compute capability 9.0 only")
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 1), (6, 6)], ids=["mqa6-1", "mha6"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_heads_and_bshd_layout(d, causal, hq, hkv):
+    """MQA and MHA, (B, S, H, D) storage, a custom scale."""
+    seed = seed_of("hopper-heads", d, causal, hq, hkv)
+    q, k, v = _inputs(seed, 3, hq, hkv, 1023, 517, d, torch.bfloat16, layout="bshd")
+    _check_forward(q, k, v, causal, 0.3, _repro("test_heads_and_bshd_layout", seed=seed, d=d, causal=causal,
+                                                hq=hq, hkv=hkv), backend="hopper")
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_families_agree(d, causal):
+    """Hopper and portable forwards on the same inputs: both within FA-style(2) of REF32, and close
+    to each other (they round P and accumulate in different orders, so not bitwise)."""
+    seed = seed_of("hopper-agree", d, causal)
+    q, k, v = _inputs(seed, 2, 8, 2, 2048, 2048, d, torch.bfloat16)
+    hop = flashkiln.attention_forward(q, k, v, causal=causal, backend="hopper")
+    port = flashkiln.attention_forward(q, k, v, causal=causal, backend="portable")
+    repro = _repro("test_families_agree", seed=seed, d=d, causal=causal)
+    ref32 = attention_reference(q, k, v, causal, None, torch.float32)
+    reflp = attention_reference(q, k, v, causal, None, q.dtype)
+    for name, got in (("hopper", hop), ("portable", port)):
+        fa_style_check(f"{name} out", got[0], ref32.out, reflp.out, 2, repro)
+        fa_style_check(f"{name} lse", got[1], ref32.lse, reflp.lse, 2, repro)
+    rounding = (reflp.out.float() - ref32.out).abs().max().item()
+    assert (hop[0].float() - port[0].float()).abs().max().item() <= 4 * rounding + 1e-5, repro
+    assert (hop[1] - port[1]).abs().max().item() <= 1e-3, repro
+
+
+def test_many_tiles_per_cta_and_repeatability():
+    """More work tiles than SMs (each persistent CTA runs several, crossing heads and batches),
+    and 20 runs bitwise equal (outputs re-poisoned between runs)."""
+    seed = seed_of("hopper-persistent")
+    q, k, v = _inputs(seed, 4, 16, 4, 4224, 1023, 128, torch.bfloat16)
+    out, lse = flashkiln.attention_forward(q, k, v, causal="bottom_right", backend="hopper")
+    repro = _repro("test_many_tiles_per_cta_and_repeatability", seed=seed)
+    ref32 = attention_reference(q, k, v, "bottom_right", None, torch.float32)
+    reflp = attention_reference(q, k, v, "bottom_right", None, q.dtype)
+    fa_style_check("out", out, ref32.out, reflp.out, 2, repro)
+    fa_style_check("lse", lse, ref32.lse, reflp.lse, 2, repro)
+    for _ in range(20):
+        again_out, again_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+        flashkiln.attention_forward(q, k, v, causal="bottom_right", backend="hopper", out=again_out, lse=again_lse)
+        assert torch.equal(again_out, out) and torch.equal(again_lse, lse), repro
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_sinks(causal):
+    seed = seed_of("hopper-sinks", causal)
+    q, k, v = _inputs(seed, 2, 6, 2, 300, 113, 128, torch.bfloat16)
+    sink = torch.linspace(-3.0, 6.0, 6, device="cuda")
+    out, lse = flashkiln.attention_forward(q, k, v, causal=causal, sink=sink, backend="hopper")
+    repro = _repro("test_sinks", seed=seed, causal=causal)
+    ref32 = attention_reference(q, k, v, causal, None, torch.float32, sink=sink)
+    reflp = attention_reference(q, k, v, causal, None, q.dtype, sink=sink)
+    fa_style_check("out", out, ref32.out, reflp.out, 2, repro)
+    fa_style_check("lse", lse, ref32.lse, reflp.lse, 2, repro)
+    assert (out[ref32.empty_rows] == 0).all(), repro
+
+
+def test_rows_without_visible_keys():
+    q, k, v = _inputs(seed_of("hopper-no-keys"), 1, 2, 2, 300, 100, 64, torch.bfloat16)
+    out, lse = flashkiln.attention_forward(q, k, v, causal="bottom_right", backend="hopper")
+    assert (out[:, :, :200] == 0).all() and torch.isneginf(lse[:, :, :200]).all()
+    assert torch.isfinite(lse[:, :, 200:]).all() and not torch.isnan(out).any()
+
+
+def test_auto_takes_hopper_and_falls_back(monkeypatch):
+    """Auto runs the Hopper kernel for a generated variant and the portable one for a variant the
+    hopper family lacks; backend="hopper" refuses those, and a bias, with typed errors."""
+    from flashkiln import hopper_forward
+
+    planned = []
+    real = hopper_forward.plan_hopper_forward
+    monkeypatch.setattr(hopper_forward, "plan_hopper_forward", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    q, k, v = _inputs(seed_of("hopper-auto"), 1, 2, 2, 256, 256, 128, torch.bfloat16)
+    auto = flashkiln.attention_forward(q, k, v)
+    assert planned == [1]
+    torch.testing.assert_close(auto[0], flashkiln.attention_forward(q, k, v, backend="hopper")[0], rtol=0, atol=0)
+    bias = torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(flashkiln.UnsupportedError):
+        flashkiln.attention_forward(q, k, v, bias=bias, backend="hopper")
+    d96 = _inputs(seed_of("hopper-d96"), 1, 2, 2, 64, 64, 96, torch.bfloat16)
+    with pytest.raises((flashkiln.UnsupportedError, flashkiln.VariantNotFoundError)):
+        flashkiln.attention_forward(*d96, backend="hopper")
+    flashkiln.attention_forward(*d96)  # auto: portable
+
+
+def test_causal_launch_keeps_its_tile_counter():
+    """The zeroed counter causal CTAs claim tiles from lives until the launch is enqueued (no
+    caller holds it: freed earlier, the kernel would count in released memory)."""
+    from flashkiln import hopper_forward
+    from flashkiln.launch import Target
+    from flashkiln.registry import default_registry
+
+    q, k, v = _inputs(seed_of("hopper-counter"), 1, 2, 2, 256, 256, 128, torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    launch = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "top_left", 0.1, None, Target.of(q),
+                                                default_registry())
+    (counter,) = launch.keep_alive
+    assert launch.params.tile_counter == counter.data_ptr() and counter.item() == 0
+    plain = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "none", 0.1, None, Target.of(q), default_registry())
+    assert plain.params.tile_counter == 0 and plain.keep_alive == ()
