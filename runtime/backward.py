@@ -200,7 +200,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     packed: a packed variable-length batch, as given to the forward (flashkiln.varlen); every
     token tensor is then (total, H, d) and lse (H_q, total_q). Tokens that lie in no sequence get
-    zero gradients (in buffers passed as dq, dk, dv they are left untouched).
+    zero gradients; in buffers passed as dq, dk, dv the kernels leave their rows as they were
+    (except dk and dv under GQA, which are summed on the host: zeros there).
     """
     if packed is not None:
         check_packed(q, k, v, packed)
