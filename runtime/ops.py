@@ -153,7 +153,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: Optional[str] = None, scale: Optional[float] = None,
                      bias: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
-                     deterministic: Optional[bool] = None) -> torch.Tensor:
+                     deterministic: Optional[bool] = None, validate: bool = False) -> torch.Tensor:
     """Attention over a packed batch of variable-length sequences, differentiable (flashkiln.varlen).
 
     q: (total_q, H_q, d_qk), k: (total_k, H_kv, d_qk), v: (total_k, H_kv, d_v); sequence b is
@@ -163,7 +163,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     sequence. bias: additive, broadcastable to (batch, H_q, max_seqlen_q, max_seqlen_k), or a bool
     mask; sequence b reads bias[b, :, :len_q, :len_k]. sink: (H_q,) sink logits. Returns
     (total_q, H_q, d_v); rows of tokens past the last sequence are unspecified (not written).
+    The offsets are not read on the host unless `validate` (then a sync: PackedBatch.validate).
     """
+    if validate:
+        PackedBatch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).validate(q.shape[0], k.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, _ = attention_forward_op(q, k, v, bias, sink, causal or "none", scale, deterministic, cu_seqlens_q,
                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -8,7 +8,8 @@ the longest sequences (max_seqlen_q/k) and CTAs past a shorter one return at onc
 
 The values of cu_seqlens are not read on the host (that would synchronize): they must start at
 0 or later, never decrease, end at most at total, and differ by at most max_seqlen. The kernels
-clamp them into those bounds, so breaking this gives wrong values, never a stray memory access.
+clamp them into those bounds, so breaking this gives wrong values, never a stray memory access;
+PackedBatch.validate (varlen_attention(..., validate=True)) checks them, at the cost of a sync.
 Tokens past the last sequence, and their rows of out and lse, are left untouched by the forward;
 the backward gives them zero gradients.
 """
@@ -36,6 +37,20 @@ class PackedBatch:
     @property
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
+
+    def validate(self, total_q: int, total_k: int) -> None:
+        """Check the boundaries' values against the token counts: InvalidInputError naming the first
+        problem. It reads cu_seqlens on the host, so it waits for the GPU: an opt-in check (the
+        kernels themselves only clamp, see the module docstring)."""
+        for name, cu, total, longest in (("cu_seqlens_q", self.cu_seqlens_q, total_q, self.max_seqlen_q),
+                                         ("cu_seqlens_k", self.cu_seqlens_k, total_k, self.max_seqlen_k)):
+            offsets = cu.tolist()
+            if offsets[0] < 0 or offsets[-1] > total:
+                inputs.fail(f"{name} runs from {offsets[0]} to {offsets[-1]}, outside the {total} tokens")
+            for b, (start, end) in enumerate(zip(offsets, offsets[1:])):
+                if not 0 <= end - start <= longest:
+                    inputs.fail(f"{name}: sequence {b} has {end - start} tokens ({start} to {end}), "
+                                f"not in [0, max_seqlen = {longest}]")
 
 
 @dataclass(frozen=True)

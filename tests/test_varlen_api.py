@@ -190,3 +190,19 @@ def test_backward_tiles_must_divide_the_accumulator_alignment():
     errors = FAMILIES["portable"].tuning_errors(bwd_descriptor("bwd", tiles=(96, 64, 4, 1)))
     assert any(f"must divide {DQ_ACCUM_ROW_ALIGN}" in e for e in errors)
     assert not any("must divide" in e for e in FAMILIES["portable"].tuning_errors(bwd_descriptor("bwd")))
+
+
+@pytest.mark.parametrize("cu_q, cu_k, match", [
+    ([0, 5, 5, 135], [0, 7, 10, 10], None),
+    ([0, 5, 3, 135], [0, 7, 10, 10], r"cu_seqlens_q: sequence 1 has -2 tokens"),
+    ([-1, 5, 5, 135], [0, 7, 10, 10], "cu_seqlens_q runs from -1 to 135, outside the 137 tokens"),
+    ([0, 5, 5, 135], [0, 7, 10, 13], "cu_seqlens_k runs from 0 to 13, outside the 12 tokens"),
+    ([0, 5, 5, 135], [0, 8, 10, 10], r"cu_seqlens_k: sequence 0 has 8 tokens \(0 to 8\), not in \[0, max_seqlen = 7\]"),
+])
+def test_validate_names_the_first_bad_offset(cu_q, cu_k, match):
+    packed = PackedBatch(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), 130, 7)
+    if match is None:
+        packed.validate(137, 12)
+    else:
+        with pytest.raises(flashkiln.InvalidInputError, match=match):
+            packed.validate(137, 12)

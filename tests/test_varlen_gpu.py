@@ -258,3 +258,12 @@ def test_opcheck_packed():
     torch.library.opcheck(torch.ops.flashkiln.attention_backward.default,
                           (case.dout, q, k, v, out, lse, None, False, sink, True, "bottom_right", 0.125, True,
                            case.cu_q, case.cu_k, case.max_q, case.max_k))
+
+
+def test_validate_checks_offsets_on_the_device_tensors():
+    case = _packed_case(seed_of("varlen-validate"), "self", hq=2, hkv=2, dims=(64, 64))
+    args = (case.q, case.k, case.v, case.cu_q, case.cu_k, case.max_q, case.max_k)
+    out = flashkiln.varlen_attention(*args, validate=True)
+    assert torch.equal(out, flashkiln.varlen_attention(*args))
+    with pytest.raises(flashkiln.InvalidInputError, match="not in \\[0, max_seqlen"):
+        flashkiln.varlen_attention(*args[:5], case.max_q - 1, case.max_k, validate=True)
