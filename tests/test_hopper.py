@@ -63,9 +63,13 @@ def test_tuning_errors(overrides, message):
 
 
 def test_smem_formula():
-    d = hopper()
-    assert HOPPER.smem_bytes(d) == 2 * (128 * 128 + 2 * 128 * 256) + 1024 + 1008
+    d = hopper()  # 128 x 128: O gets its own buffer beside Q and the K/V ring
+    assert HOPPER.own_o_buffer(d)
+    assert HOPPER.smem_bytes(d) == 2 * (2 * 128 * 128 + 2 * 128 * 256) + 1024 + 1008
     assert HOPPER.threads(d) == 384
+    wide = hopper(tile_n=176)  # no room for it: O leaves through Q's buffer
+    assert not HOPPER.own_o_buffer(wide)
+    assert HOPPER.smem_bytes(wide) == 2 * (128 * 128 + 2 * 176 * 256) + 1024 + 1008
 
 
 # -- parameter block -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 // Hopper attention forward (sm_90a): a persistent, warp-specialized kernel. Warpgroup 0 is the
 // producer (one thread issues every TMA load); the other warpgroups consume, 64 query rows each,
 // with wgmma. Q, K and V arrive in 128-byte-swizzled shared memory through an mbarrier ring of
-// kStages K/V buffers; O leaves through TMA stores. See docs/design.md, "Hopper forward kernel".
+// kStages K/V buffers; O leaves through TMA stores (from its own buffer where it fits). See
+// docs/design.md, "Hopper forward kernel".
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,7 +30,9 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
 
   if (threadIdx.x == 0) {
     Barrier::init(&ss.q_full, 1);
-    Barrier::init(&ss.q_empty, T::kConsumerWarpgroups);
+    // Q's buffer is released by every consumer thread after its last S (with O's own buffer),
+    // else by each consumer warpgroup's leader once O's stores have read it.
+    Barrier::init(&ss.q_empty, T::kOwnO ? T::kConsumerThreads : T::kConsumerWarpgroups);
     CUTE_UNROLL
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&ss.k_full[s], 1);
@@ -60,6 +63,9 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
       q_full_phase ^= 1;
       const int tile = *reinterpret_cast<volatile int*>(&ss.tile);
       if (!sched.valid(tile)) {
+        if (T::kOwnO && thread % 128 == 0) {
+          cute::tma_store_wait<0>();  // O's buffer must outlive the reads of the last stores
+        }
         break;
       }
       const WorkTile w = sched.decode(tile);

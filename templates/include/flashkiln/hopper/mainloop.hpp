@@ -44,27 +44,34 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   PipelineState<T::kStages> kv;
   uint32_t q_empty_phase = 0;
   for (int tile = sched.first(), step = 0;; tile = sched.next(tile), ++step) {
-    if (step > 0) {  // the consumers are done with the previous tile (and its O left the buffer)
-      Barrier::wait(&ss.q_empty, q_empty_phase);
-      q_empty_phase ^= 1;
-    }
-    // The q_full arrival below releases this store to the consumers.
-    *reinterpret_cast<volatile int*>(&ss.tile) = tile;
-    if (!sched.valid(tile)) {
-      Barrier::arrive(&ss.q_full);  // no more work: the consumers exit
-      return;
-    }
-    const WorkTile w = sched.decode(tile);
-    const int n_blocks = key_tiles<T>(p, w.m_block);
+    const bool valid = sched.valid(tile);
+    const WorkTile w = valid ? sched.decode(tile) : WorkTile{0, 0, 0};
+    const int n_blocks = valid ? key_tiles<T>(p, w.m_block) : 0;
+    // Name the tile to the consumers (the end, or no keys: O = 0) and load its Q, once they have
+    // released Q's buffer. The q_full arrival releases the store of the tile index.
+    auto publish = [&] {
+      if (step > 0) {
+        Barrier::wait(&ss.q_empty, q_empty_phase);
+        q_empty_phase ^= 1;
+      }
+      *reinterpret_cast<volatile int*>(&ss.tile) = tile;
+      if (n_blocks == 0) {
+        Barrier::arrive(&ss.q_full);
+        return;
+      }
+      TxBarrier::arrive_and_expect_tx(&ss.q_full, T::kBytesQ);
+      CUTE_UNROLL
+      for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
+        tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * T::kBoxCols, c * T::kBoxCols,
+                 w.m_block * T::kBlockM, w.head, w.batch);
+      }
+    };
     if (n_blocks == 0) {
-      Barrier::arrive(&ss.q_full);  // nothing to load: the consumers only write O = 0
+      publish();
+      if (!valid) {
+        return;
+      }
       continue;
-    }
-    TxBarrier::arrive_and_expect_tx(&ss.q_full, T::kBytesQ);
-    CUTE_UNROLL
-    for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
-      tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * T::kBoxCols, c * T::kBoxCols, w.m_block * T::kBlockM,
-               w.head, w.batch);
     }
     const int head_kv = w.head / group;
     for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
@@ -80,6 +87,10 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
         tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
                  c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
+      }
+      if (n_block == n_blocks - 1) {
+        // The first K/V tiles load while the consumers still finish the previous work tile.
+        publish();
       }
       kv.advance();
     }
@@ -105,12 +116,18 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
   Tensor tOrV = thr_o.partition_fragment_B(sVt);
   Tensor tScS = rowcol(thr_s.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{})));
   const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  if (T::kOwnO && n_blocks == 0) {
+    Barrier::arrive(&ss.q_empty);  // a tile without keys reads no Q
+  }
 
   for (int step = 0, n_block = n_blocks - 1; n_block >= 0; ++step, --n_block) {
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     Barrier::wait(&ss.k_full[kv.stage], kv.phase);
     wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
     warpgroup_wait<0>();
+    if (T::kOwnO && n_block == 0) {
+      Barrier::arrive(&ss.q_empty);  // this thread's last read of Q: the next one may load
+    }
     if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(m_block * T::kBlockM, n_block * T::kBlockN,
                                                                 p.seqlen_k, causal_offset)) {
       portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * T::kBlockM, n_block * T::kBlockN,
