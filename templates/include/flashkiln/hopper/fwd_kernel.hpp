@@ -37,7 +37,8 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&ss.k_full[s], 1);
       Barrier::init(&ss.v_full[s], 1);
-      Barrier::init(&ss.kv_empty[s], T::kConsumerThreads);
+      Barrier::init(&ss.k_empty[s], T::kConsumerThreads);
+      Barrier::init(&ss.v_empty[s], T::kConsumerThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -56,6 +57,7 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
     Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<T::kBlockM>, Int<T::kDimV>>{});
     constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
     PipelineState<T::kStages> kv;
+    const WarpgroupTurns<T::kTurns> turns(thread / 128);
     uint32_t q_full_phase = 0;
     while (true) {
       // The producer names each tile (or the end) before the Q it loads for it.
@@ -72,7 +74,7 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
       const int n_blocks = key_tiles<T>(p, w.m_block);
       portable::OnlineSoftmax<kRows> softmax;
       clear(acc_o);
-      consume_tile<T>(p, ss, thread, w.m_block, n_blocks, kv, acc_o, softmax);
+      consume_tile<T>(p, ss, thread, w.m_block, n_blocks, kv, turns, acc_o, softmax);
       store_tile<T>(p, ss, thread, w, acc_o, softmax);
     }
   }

@@ -29,9 +29,15 @@ struct FwdTraits {
   static constexpr int kThreads = 128 + kConsumerThreads;
   // setmaxnreg budgets: the producer hands registers to the consumers. The CTA keeps what it was
   // launched with (65536 / kThreads each, rounded down to 8: 168 for 384 threads, 128 for 512),
-  // so the sum must not exceed that. The producer needs ~40 not to spill its schedule state.
-  static constexpr int kProducerRegisters = kConsumerWarpgroups == 3 ? 32 : 40;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 1 ? 240 : kConsumerWarpgroups == 2 ? 232 : 160;
+  // so the sum must not exceed that. At 24 the producer spills some schedule state to local
+  // memory, which measured cheaper than taking 8 registers from ping-ponging consumers (which
+  // hold S, P and O at once): 24/240 beat 40/232 by up to 10% at d = 256 (docs/perf/).
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 3 ? 32 : 24;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 3 ? 160 : 240;
+  // Two consumer warpgroups take turns issuing their GEMMs (pipeline.hpp, WarpgroupTurns); three
+  // (d = 64) measured 0-2% slower with turns than without.
+  static constexpr bool kPingPong = kConsumerWarpgroups == 2;
+  static constexpr int kTurns = kPingPong ? kConsumerWarpgroups : 1;  // 1: no turns
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");
@@ -81,7 +87,8 @@ struct FwdTraits {
     uint64_t q_empty;             // the consumers are done with Q's buffer
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
-    uint64_t kv_empty[kStages];   // the consumers finished reading the stage's K and V
+    uint64_t k_empty[kStages];    // the consumers finished reading the stage's K
+    uint64_t v_empty[kStages];    // ... and its V
     int tile;                     // the work tile of the current Q (valid once q_full completes)
   };
   struct StorageQKVO : StorageQKV {
