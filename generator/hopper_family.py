@@ -36,8 +36,15 @@ class HopperFamily:
         return d.tile_m // 64
 
     def smem_bytes(self, d: VariantDescriptor) -> int:
+        return self._smem_bytes(d, own_o=self.own_o_buffer(d))
+
+    def own_o_buffer(self, d: VariantDescriptor) -> bool:
+        """O gets its own shared-memory buffer (Q's then loads early) wherever it fits (traits.hpp)."""
+        return self._smem_bytes(d, own_o=True) <= ARCHS[d.arch].max_smem_per_block
+
+    def _smem_bytes(self, d: VariantDescriptor, own_o: bool) -> int:
         elem = _ELEMENT_BYTES[d.dtype]
-        tiles = elem * (d.tile_m * d.d_qk + d.stages * d.tile_n * (d.d_qk + d.d_v))
+        tiles = elem * (d.tile_m * d.d_qk + d.stages * d.tile_n * (d.d_qk + d.d_v) + own_o * d.tile_m * d.d_v)
         return tiles + _BARRIER_BLOCK + _ALIGN_SLACK
 
     def functional_errors(self, d: VariantDescriptor) -> list[str]:

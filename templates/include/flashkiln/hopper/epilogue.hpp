@@ -1,6 +1,7 @@
 // The forward's epilogue, per consumer warpgroup: normalize O, stage it in the warpgroup's rows
-// of the Q/O buffer (swizzled like Q) and write it with TMA stores, which clip rows past the
-// sequence end; LSE goes straight from registers. Then the buffer is handed back to the producer.
+// of the O buffer (O's own, or Q's; swizzled like Q) and write it with TMA stores, which clip rows
+// past the sequence end; LSE goes straight from registers. Q's buffer is handed back to the
+// producer once the stores have read it; O's own buffer is reused once they have (next tile).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,21 +30,32 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   const float sink = p.sink != 0 ? reinterpret_cast<float const*>(p.sink)[w.head] : -kInfinity;
   softmax.finalize(rowcol(acc_o), p.scale, sink, lse);
   Tensor rO = portable::convert_fragment<typename T::Element>(acc_o);
-  Tensor sO = make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutO{});
-  named_barrier_sync(1 + warpgroup, 128);  // the warpgroup's last wgmma has read its Q rows
+  typename T::Element* o_buffer = ss.q;
+  if constexpr (T::kOwnO) {
+    o_buffer = ss.o;
+  }
+  Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename T::SmemLayoutO{});
+  const bool leader = thread % 128 == 0;
+  if (T::kOwnO && leader) {
+    cute::tma_store_wait<0>();  // the previous tile's stores have read the warpgroup's O rows
+  }
+  // Own O buffer: the leader's wait is done. O in Q's buffer: the last wgmma has read those rows.
+  named_barrier_sync(1 + warpgroup, 128);
   copy(rO, thr_o.partition_C(sO));
   // Generic-proxy writes that the TMA engine reads next: fence, then gather the warpgroup.
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(1 + warpgroup, 128);
-  if (thread % 128 == 0) {
+  if (leader) {
     CUTE_UNROLL
     for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
-      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, ss.q + c * T::kBlockM * T::kBoxCols + warpgroup * 64 * T::kBoxCols,
+      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, o_buffer + c * T::kBlockM * T::kBoxCols + warpgroup * 64 * T::kBoxCols,
                                     c * T::kBoxCols, w.m_block * T::kBlockM + warpgroup * 64, w.head, w.batch);
     }
     cute::tma_store_arrive();
-    cute::tma_store_wait<0>();  // the stores have read the buffer: the producer may refill it
-    Barrier::arrive(&ss.q_empty);
+    if (!T::kOwnO) {
+      cute::tma_store_wait<0>();  // the stores have read Q's buffer: the producer may refill it
+      Barrier::arrive(&ss.q_empty);
+    }
   }
 
   // The thread holding column 0 of a row writes that row's LSE.

@@ -1,7 +1,8 @@
 // Hopper attention forward (sm_90a): a persistent, warp-specialized kernel. Warpgroup 0 is the
 // producer (one thread issues every TMA load); the other warpgroups consume, 64 query rows each,
 // with wgmma. Q, K and V arrive in 128-byte-swizzled shared memory through an mbarrier ring of
-// kStages K/V buffers; O leaves through TMA stores. See docs/design.md, "Hopper forward kernel".
+// kStages K/V buffers; O leaves through TMA stores (from its own buffer where it fits). See
+// docs/design.md, "Hopper forward kernel".
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,12 +30,15 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
 
   if (threadIdx.x == 0) {
     Barrier::init(&ss.q_full, 1);
-    Barrier::init(&ss.q_empty, T::kConsumerWarpgroups);
+    // Q's buffer is released by every consumer thread after its last S (with O's own buffer),
+    // else by each consumer warpgroup's leader once O's stores have read it.
+    Barrier::init(&ss.q_empty, T::kOwnO ? T::kConsumerThreads : T::kConsumerWarpgroups);
     CUTE_UNROLL
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&ss.k_full[s], 1);
       Barrier::init(&ss.v_full[s], 1);
-      Barrier::init(&ss.kv_empty[s], T::kConsumerThreads);
+      Barrier::init(&ss.k_empty[s], T::kConsumerThreads);
+      Barrier::init(&ss.v_empty[s], T::kConsumerThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -53,6 +57,7 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
     Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<T::kBlockM>, Int<T::kDimV>>{});
     constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
     PipelineState<T::kStages> kv;
+    const WarpgroupTurns<T::kTurns> turns(thread / 128);
     uint32_t q_full_phase = 0;
     while (true) {
       // The producer names each tile (or the end) before the Q it loads for it.
@@ -60,13 +65,16 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
       q_full_phase ^= 1;
       const int tile = *reinterpret_cast<volatile int*>(&ss.tile);
       if (!sched.valid(tile)) {
+        if (T::kOwnO && thread % 128 == 0) {
+          cute::tma_store_wait<0>();  // O's buffer must outlive the reads of the last stores
+        }
         break;
       }
       const WorkTile w = sched.decode(tile);
       const int n_blocks = key_tiles<T>(p, w.m_block);
       portable::OnlineSoftmax<kRows> softmax;
       clear(acc_o);
-      consume_tile<T>(p, ss, thread, w.m_block, n_blocks, kv, acc_o, softmax);
+      consume_tile<T>(p, ss, thread, w.m_block, n_blocks, kv, turns, acc_o, softmax);
       store_tile<T>(p, ss, thread, w, acc_o, softmax);
     }
   }

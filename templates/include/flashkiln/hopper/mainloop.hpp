@@ -44,42 +44,54 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   PipelineState<T::kStages> kv;
   uint32_t q_empty_phase = 0;
   for (int tile = sched.first(), step = 0;; tile = sched.next(tile), ++step) {
-    if (step > 0) {  // the consumers are done with the previous tile (and its O left the buffer)
-      Barrier::wait(&ss.q_empty, q_empty_phase);
-      q_empty_phase ^= 1;
-    }
-    // The q_full arrival below releases this store to the consumers.
-    *reinterpret_cast<volatile int*>(&ss.tile) = tile;
-    if (!sched.valid(tile)) {
-      Barrier::arrive(&ss.q_full);  // no more work: the consumers exit
-      return;
-    }
-    const WorkTile w = sched.decode(tile);
-    const int n_blocks = key_tiles<T>(p, w.m_block);
+    const bool valid = sched.valid(tile);
+    const WorkTile w = valid ? sched.decode(tile) : WorkTile{0, 0, 0};
+    const int n_blocks = valid ? key_tiles<T>(p, w.m_block) : 0;
+    // Name the tile to the consumers (the end, or no keys: O = 0) and load its Q, once they have
+    // released Q's buffer. The q_full arrival releases the store of the tile index.
+    auto publish = [&] {
+      if (step > 0) {
+        Barrier::wait(&ss.q_empty, q_empty_phase);
+        q_empty_phase ^= 1;
+      }
+      *reinterpret_cast<volatile int*>(&ss.tile) = tile;
+      if (n_blocks == 0) {
+        Barrier::arrive(&ss.q_full);
+        return;
+      }
+      TxBarrier::arrive_and_expect_tx(&ss.q_full, T::kBytesQ);
+      CUTE_UNROLL
+      for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
+        tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * T::kBoxCols, c * T::kBoxCols,
+                 w.m_block * T::kBlockM, w.head, w.batch);
+      }
+    };
     if (n_blocks == 0) {
-      Barrier::arrive(&ss.q_full);  // nothing to load: the consumers only write O = 0
+      publish();
+      if (!valid) {
+        return;
+      }
       continue;
-    }
-    TxBarrier::arrive_and_expect_tx(&ss.q_full, T::kBytesQ);
-    CUTE_UNROLL
-    for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
-      tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * T::kBoxCols, c * T::kBoxCols, w.m_block * T::kBlockM,
-               w.head, w.batch);
     }
     const int head_kv = w.head / group;
     for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
-      Barrier::wait(&ss.kv_empty[kv.stage], kv.phase ^ 1);
+      Barrier::wait(&ss.k_empty[kv.stage], kv.phase ^ 1);
       TxBarrier::arrive_and_expect_tx(&ss.k_full[kv.stage], T::kBytesK);
       CUTE_UNROLL
       for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
         tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * T::kBoxCols,
                  c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
       }
+      Barrier::wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
       TxBarrier::arrive_and_expect_tx(&ss.v_full[kv.stage], T::kBytesV);
       CUTE_UNROLL
       for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
         tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
                  c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
+      }
+      if (n_block == n_blocks - 1) {
+        // The first K/V tiles load while the consumers still finish the previous work tile.
+        publish();
       }
       kv.advance();
     }
@@ -87,10 +99,13 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 }
 
 // The consumer warpgroups' main loop over one work tile's key tiles: returns with acc_o holding
-// the unnormalized output and `softmax` the row statistics.
+// the unnormalized output and `softmax` the row statistics. O += P V of one key tile and
+// S = Q K^T of the next are issued together, in one turn of the ping-pong where there are turns:
+// the softmax in between then runs while the other warpgroup's GEMMs keep the tensor cores busy.
 template <class T, class AccO, class Softmax>
 __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
-                                             int m_block, int n_blocks, PipelineState<T::kStages>& kv, AccO& acc_o,
+                                             int m_block, int n_blocks, PipelineState<T::kStages>& kv,
+                                             WarpgroupTurns<T::kTurns> const& turns, AccO& acc_o,
                                              Softmax& softmax) {
   using portable::convert_fragment;
   typename T::TiledMmaS mma_s;
@@ -105,12 +120,28 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
   Tensor tOrV = thr_o.partition_fragment_B(sVt);
   Tensor tScS = rowcol(thr_s.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{})));
   const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  if (n_blocks == 0) {
+    if (T::kOwnO) {
+      Barrier::arrive(&ss.q_empty);  // a tile without keys reads no Q
+    }
+    return;
+  }
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
+  // Once S of key tile n_block is in acc_s, its K stage is free (and Q's buffer after the last).
+  auto s_done = [&](int n_block) {
+    Barrier::arrive(&ss.k_empty[kv.stage]);
+    if (T::kOwnO && n_block == 0) {
+      Barrier::arrive(&ss.q_empty);
+    }
+  };
 
+  Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+  turns.wait();
+  wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
+  turns.pass();
+  warpgroup_wait<0>();
+  s_done(n_blocks - 1);
   for (int step = 0, n_block = n_blocks - 1; n_block >= 0; ++step, --n_block) {
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
-    Barrier::wait(&ss.k_full[kv.stage], kv.phase);
-    wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
-    warpgroup_wait<0>();
     if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(m_block * T::kBlockM, n_block * T::kBlockN,
                                                                 p.seqlen_k, causal_offset)) {
       portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * T::kBlockM, n_block * T::kBlockN,
@@ -123,11 +154,23 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
     }
     Tensor p_regs = convert_fragment<typename T::Element>(acc_s);
     Tensor tOrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
-    Barrier::wait(&ss.v_full[kv.stage], kv.phase);
-    wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, kv.stage), acc_o);
-    warpgroup_wait<0>();
-    Barrier::arrive(&ss.kv_empty[kv.stage]);
+    const int v_stage = kv.stage;
+    Barrier::wait(&ss.v_full[v_stage], kv.phase);
     kv.advance();
+    if (n_block > 0) {
+      Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+    }
+    turns.wait();
+    wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
+    if (n_block > 0) {
+      wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
+    }
+    turns.pass();
+    warpgroup_wait<0>();
+    Barrier::arrive(&ss.v_empty[v_stage]);
+    if (n_block > 0) {
+      s_done(n_block - 1);
+    }
   }
 }
 

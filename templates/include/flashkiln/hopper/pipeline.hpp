@@ -1,8 +1,8 @@
 // The mbarrier protocol between the TMA producer and the consumer warpgroups.
 //
-// Each K/V stage has a "full" barrier per operand (one arrival by the producer, which also
-// announces the bytes TMA will deliver) and one "empty" barrier that every consumer thread arrives
-// on once its MMAs stop reading the stage. A waiter tracks the phase parity it expects; the
+// Each K/V stage has a "full" and an "empty" barrier per operand: one arrival by the producer
+// fills (it also announces the bytes TMA will deliver); every consumer thread arrives on "empty"
+// once its MMAs stop reading the operand (K after S = Q K^T, V after O += P V, a step later). A waiter tracks the phase parity it expects; the
 // producer starts at parity 1 on the empty barriers, which a fresh barrier reports as completed,
 // so the first pass through the ring does not wait.
 #pragma once
@@ -33,6 +33,39 @@ struct PipelineState {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+
+// Counts this thread's arrival at a named barrier without waiting for it.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Ping-pong of the consumer warpgroups: they take turns issuing their GEMMs, round robin, so one
+// warpgroup's softmax runs while the tensor cores serve the others. Warpgroup w's turn is the
+// named barrier kFirstId + w over its 128 threads and the previous warpgroup's 128, which arrive
+// when they pass the turn on. Every warpgroup takes the same number of turns (they share each
+// work tile's key tiles); the last one's final pass is never waited for.
+template <int kWarpgroups>
+struct WarpgroupTurns {
+  static constexpr int kFirstId = 4;  // ids 1-3: the epilogue's per-warpgroup barriers
+  int warpgroup;
+
+  // The first turn goes to warpgroup 0.
+  __device__ __forceinline__ explicit WarpgroupTurns(int warpgroup_) : warpgroup(warpgroup_) {
+    if (kWarpgroups > 1 && warpgroup == kWarpgroups - 1) {
+      named_barrier_arrive(kFirstId, 256);
+    }
+  }
+  __device__ __forceinline__ void wait() const {
+    if (kWarpgroups > 1) {
+      named_barrier_sync(kFirstId + warpgroup, 256);
+    }
+  }
+  __device__ __forceinline__ void pass() const {
+    if (kWarpgroups > 1) {
+      named_barrier_arrive(kFirstId + (warpgroup + 1) % kWarpgroups, 256);
+    }
+  }
+};
 
 // The 4-d TMA tile load used for Q, K and V: (column, row, head, batch) coordinates.
 __device__ __forceinline__ void tma_load(void const* desc, uint64_t* barrier, void* smem, int col, int row,

@@ -29,9 +29,15 @@ struct FwdTraits {
   static constexpr int kThreads = 128 + kConsumerThreads;
   // setmaxnreg budgets: the producer hands registers to the consumers. The CTA keeps what it was
   // launched with (65536 / kThreads each, rounded down to 8: 168 for 384 threads, 128 for 512),
-  // so the sum must not exceed that. The producer needs ~40 not to spill its schedule state.
-  static constexpr int kProducerRegisters = kConsumerWarpgroups == 3 ? 32 : 40;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 1 ? 240 : kConsumerWarpgroups == 2 ? 232 : 160;
+  // so the sum must not exceed that. At 24 the producer spills some schedule state to local
+  // memory, which measured cheaper than taking 8 registers from ping-ponging consumers (which
+  // hold S, P and O at once): 24/240 beat 40/232 by up to 10% at d = 256 (docs/perf/).
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 3 ? 32 : 24;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 3 ? 160 : 240;
+  // Two consumer warpgroups take turns issuing their GEMMs (pipeline.hpp, WarpgroupTurns); three
+  // (d = 64) measured 0-2% slower with turns than without.
+  static constexpr bool kPingPong = kConsumerWarpgroups == 2;
+  static constexpr int kTurns = kPingPong ? kConsumerWarpgroups : 1;  // 1: no turns
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");
@@ -62,27 +68,39 @@ struct FwdTraits {
       Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
 
   static constexpr int kElemsQ = kBlockM * kDimQK;
+  static constexpr int kElemsO = kBlockM * kDimV;
   static constexpr int kElemsK = kBlockN * kDimQK;  // per stage
   static constexpr int kElemsV = kBlockN * kDimV;   // per stage
-  static_assert(kBlockM * kDimV <= kElemsQ, "O is staged in Q's buffer");
   static constexpr uint32_t kBytesQ = kElemsQ * sizeof(Element);
   static constexpr uint32_t kBytesK = kElemsK * sizeof(Element);
   static constexpr uint32_t kBytesV = kElemsV * sizeof(Element);
 
   // Swizzled buffers start on 1024-byte boundaries (the 128-byte swizzle repeats every 8 rows).
-  struct SharedStorage {
-    alignas(1024) Element q[kElemsQ];  // Q, then this tile's O on its way out
+  // With its own O buffer, Q's buffer is free once the tile's last S = Q K^T has run, so the next
+  // tile's Q loads during this tile's last steps and epilogue; without one, O leaves through Q's
+  // buffer and the next Q waits for its TMA store. O gets a buffer wherever it fits.
+  struct StorageQKV {
+    alignas(1024) Element q[kElemsQ];  // Q (and this tile's O on its way out, without an O buffer)
     alignas(1024) Element k[kStages * kElemsK];
     alignas(1024) Element v[kStages * kElemsV];
     uint64_t q_full;              // Q landed (TMA transaction count)
-    uint64_t q_empty;             // every consumer warpgroup is done with the Q/O buffer
+    uint64_t q_empty;             // the consumers are done with Q's buffer
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
-    uint64_t kv_empty[kStages];   // the consumers finished reading the stage's K and V
+    uint64_t k_empty[kStages];    // the consumers finished reading the stage's K
+    uint64_t v_empty[kStages];    // ... and its V
     int tile;                     // the work tile of the current Q (valid once q_full completes)
   };
+  struct StorageQKVO : StorageQKV {
+    alignas(1024) Element o[kElemsO];
+  };
   // The dynamic allocation starts 16-byte aligned at worst: room to round up to 1024.
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024 - 16;
+  static constexpr int kAlignSlack = 1024 - 16;
+  static constexpr int kMaxSmemBytes = 232448;  // sm_90a's opt-in limit per block
+  static constexpr bool kOwnO = int(sizeof(StorageQKVO)) + kAlignSlack <= kMaxSmemBytes;
+  static_assert(kOwnO || kElemsO <= kElemsQ, "O is staged in Q's buffer");
+  using SharedStorage = cute::conditional_t<kOwnO, StorageQKVO, StorageQKV>;
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kAlignSlack;
 };
 
 }  // namespace flashkiln::hopper

@@ -1,0 +1,70 @@
+"""Forward-only A/B of hopper kernel builds beside cuDNN, in one process (issue 5 tuning runs).
+
+Method of bench/bench.py (median of CUDA-event timings of single calls after a sleep kernel),
+bf16, H = 2048 / d, B = 16384 / S, causal = top-left square. Each build's output is also compared
+with cuDNN's (max |O - O_cudnn|).
+
+Usage: tools/pyenv.sh python3 bench/bench_hopper_variants.py LABEL=KERNEL_DIR ... [--seqlens 2048 8192]
+       [--head-dims 64 128 256] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flashkiln  # noqa: E402
+from bench import time_ms, visible_pairs  # noqa: E402
+from flashkiln.registry import KernelRegistry  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("builds", nargs="+", metavar="LABEL=DIR")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    builds = {label: KernelRegistry(Path(path)) for label, _, path in (b.partition("=") for b in args.builds)}
+    rows = []
+    print("d causal S " + " ".join(["cudnn", *builds]) + "   (TFLOP/s; x cudnn; max|O-O_cudnn|)", flush=True)
+    for d in args.head_dims:
+        for causal in (False, True):
+            for s in args.seqlens:
+                b, h = 16384 // s, 2048 // d
+                gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                           for _ in range(3))
+                flops = 4 * b * h * d * visible_pairs(s, s, causal)
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                with torch.no_grad():
+                    ref = cudnn()
+                    row = {"d": d, "causal": causal, "seqlen": s, "cudnn": flops / time_ms(cudnn, args.warmup, args.reps) / 1e9}
+                    for label, reg in builds.items():
+                        fn = lambda reg=reg: flashkiln.attention_forward(  # noqa: E731
+                            q, k, v, causal="top_left" if causal else None, backend="hopper", registry=reg)[0]
+                        row[label] = flops / time_ms(fn, args.warmup, args.reps) / 1e9
+                        row[label + ":err"] = (fn().float() - ref.float()).abs().max().item()
+                rows.append(row)
+                cells = [f"{row['cudnn']:.0f}"] + [f"{row[l]:.0f} ({row[l] / row['cudnn']:.2f}; {row[l + ':err']:.4f})"
+                                                  for l in builds]
+                print(f"{d} {'c' if causal else '-'} {s} " + " | ".join(cells), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "cudnn": torch.backends.cudnn.version(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
