@@ -133,10 +133,7 @@ class PortableFamily:
                 if rows % rows_per_pass:
                     errors.append(f"{tile_name}={rows}: must be a multiple of {rows_per_pass} "
                                   f"(rows one pass of {self.threads(d)} threads copies at head dim {dim})")
-        smem, limit = self.smem_bytes(d), ARCHS[d.arch].max_smem_per_block
-        if smem > limit:
-            errors.append(f"tile {d.tile_m}x{d.tile_n} with {d.stages} stage(s) needs {smem} bytes of shared "
-                          f"memory at d_qk={d.d_qk}, d_v={d.d_v}; {d.arch} allows {limit}")
+        errors += smem_limit_errors(d, self.smem_bytes(d))
         return sorted(set(errors))
 
     def _bwd_warp_grid_errors(self, d: VariantDescriptor) -> list[str]:
@@ -157,12 +154,26 @@ class PortableFamily:
         return errors
 
     def template_context(self, d: VariantDescriptor) -> dict[str, Any]:
-        return {
-            "element": _ELEMENT[d.dtype],
-            "causal": d.causal,
-            "threads": self.threads(d),
-            "smem_bytes": self.smem_bytes(d),
-        }
+        return kernel_context(self, d)
+
+
+def smem_limit_errors(d: VariantDescriptor, smem: int) -> list[str]:
+    """The error of a tile whose `smem` bytes of shared memory exceed what d.arch gives a block."""
+    limit = ARCHS[d.arch].max_smem_per_block
+    if smem <= limit:
+        return []
+    return [f"tile {d.tile_m}x{d.tile_n} with {d.stages} stage(s) needs {smem} bytes of shared memory at "
+            f"d_qk={d.d_qk}, d_v={d.d_v}; {d.arch} allows {limit}"]
+
+
+def kernel_context(family: Family, d: VariantDescriptor) -> dict[str, Any]:
+    """What every family's kernel templates read besides the descriptor."""
+    return {
+        "element": _ELEMENT[d.dtype],
+        "causal": d.causal,
+        "threads": family.threads(d),
+        "smem_bytes": family.smem_bytes(d),
+    }
 
 
 from .hopper_family import HopperFamily  # noqa: E402 (it reads this module's element tables)

@@ -11,8 +11,8 @@ from typing import Any
 from flashkiln.archs import ARCHS
 from flashkiln.descriptor import VariantDescriptor
 
-# Imported by families.py after it defines these tables.
-from .families import _ELEMENT, _ELEMENT_BYTES
+# Imported by families.py after it defines these.
+from .families import _ELEMENT_BYTES, kernel_context, smem_limit_errors
 
 # Shared memory beyond the tiles: the mbarriers (rounded up to the 1024-byte alignment of the
 # storage struct) and the slack for aligning the dynamic allocation to 1024 bytes.
@@ -77,16 +77,7 @@ class HopperFamily:
             errors.append(f"tile_n={d.tile_n}: must be a multiple of 16 between 16 and 256 (wgmma N, TMA box)")
         if d.stages < 2:
             errors.append(f"stages={d.stages}: the K/V ring needs at least 2 buffers")
-        smem, limit = self.smem_bytes(d), ARCHS[d.arch].max_smem_per_block
-        if smem > limit:
-            errors.append(f"tile {d.tile_m}x{d.tile_n} with {d.stages} stage(s) needs {smem} bytes of shared "
-                          f"memory at d_qk={d.d_qk}, d_v={d.d_v}; {d.arch} allows {limit}")
-        return errors
+        return errors + smem_limit_errors(d, self.smem_bytes(d))
 
     def template_context(self, d: VariantDescriptor) -> dict[str, Any]:
-        return {
-            "element": _ELEMENT[d.dtype],
-            "causal": d.causal,
-            "threads": self.threads(d),
-            "smem_bytes": self.smem_bytes(d),
-        }
+        return kernel_context(self, d)
