@@ -263,7 +263,8 @@ def test_opcheck_packed():
 def test_validate_checks_offsets_on_the_device_tensors():
     case = _packed_case(seed_of("varlen-validate"), "self", hq=2, hkv=2, dims=(64, 64))
     args = (case.q, case.k, case.v, case.cu_q, case.cu_k, case.max_q, case.max_k)
+    inside = slice(0, int(case.cu_q[-1]))  # rows past the last sequence are not written
     out = flashkiln.varlen_attention(*args, validate=True)
-    assert torch.equal(out, flashkiln.varlen_attention(*args))
+    assert torch.equal(out[inside], flashkiln.varlen_attention(*args)[inside])
     with pytest.raises(flashkiln.InvalidInputError, match="not in \\[0, max_seqlen"):
         flashkiln.varlen_attention(*args[:5], case.max_q - 1, case.max_k, validate=True)
