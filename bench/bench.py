@@ -122,6 +122,9 @@ def bias_cases(passes: list[str], bias: torch.Tensor, registries: dict[str, Kern
              (("flashkiln", kiln), ("flashkiln+bias", kiln_bias), ("efficient+bias", efficient_bias),
               ("flex+bias", flex_bias))}
     if "fwd" in passes:
+        # The portable family's biased forward too (auto takes the hopper one where it applies).
+        cases[("flashkiln-portable+bias", "fwd")] = ((lambda q, k, v: flashkiln.attention_forward(
+            q, k, v, bias=bias, backend="portable")[0]), False, None)
         for name, registry in registries.items():
             if registry is not None:
                 cases[(f"{name}+bias", "fwd")] = ((lambda q, k, v, registry=registry: flashkiln.attention_forward(

@@ -1,7 +1,7 @@
 """The Hopper kernel family (templates/include/flashkiln/hopper): TMA + wgmma, sm_90a only.
 
-One producer warpgroup and one consumer warpgroup per 64 query rows; K/V stream through a ring
-of `stages` shared-memory buffers. The formulas here are static_asserted by the C++ side
+One producer warpgroup and one consumer warpgroup per 64 query rows; K/V (and bias tiles, with a
+bias) stream through a ring of `stages` shared-memory buffers. The formulas here are static_asserted by the C++ side
 (threads, shared-memory bytes), like the portable family's.
 """
 from __future__ import annotations
@@ -44,8 +44,11 @@ class HopperFamily:
 
     def _smem_bytes(self, d: VariantDescriptor, own_o: bool) -> int:
         elem = _ELEMENT_BYTES[d.dtype]
-        tiles = elem * (d.tile_m * d.d_qk + d.stages * d.tile_n * (d.d_qk + d.d_v) + own_o * d.tile_m * d.d_v)
-        return tiles + _BARRIER_BLOCK + _ALIGN_SLACK
+        bias = d.bias != "none"
+        tiles = elem * (d.tile_m * d.d_qk + d.stages * d.tile_n * (d.d_qk + d.d_v) + own_o * d.tile_m * d.d_v
+                        + bias * d.stages * d.tile_m * d.tile_n)
+        # The bias ring's barriers take a block of their own (after its 1024-byte aligned tiles).
+        return tiles + _BARRIER_BLOCK * (1 + bias) + _ALIGN_SLACK
 
     def functional_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
@@ -53,8 +56,6 @@ class HopperFamily:
             errors.append(f"kernel={d.kernel}: the hopper family has only the forward (fwd)")
         if d.arch != "sm_90a":
             errors.append(f"arch={d.arch}: the hopper family needs wgmma and setmaxnreg: sm_90a only")
-        if d.bias != "none":
-            errors.append(f"bias={d.bias}: the hopper forward has no bias yet (the portable family has)")
         if d.deterministic:
             errors.append("deterministic=true: only bwd has the axis")
         for name, dim in (("d_qk", d.d_qk), ("d_v", d.d_v)):
@@ -75,6 +76,9 @@ class HopperFamily:
                               f"{self.consumer_warpgroups(d)} consumer warpgroup(s))")
         if d.tile_n % 16 or not 16 <= d.tile_n <= 256:
             errors.append(f"tile_n={d.tile_n}: must be a multiple of 16 between 16 and 256 (wgmma N, TMA box)")
+        if d.bias != "none" and d.tile_n % _BOX_COLS:
+            errors.append(f"tile_n={d.tile_n}: with a bias, a multiple of {_BOX_COLS} (bias tiles load in "
+                          f"{_BOX_COLS}-key TMA boxes)")
         if d.stages < 2:
             errors.append(f"stages={d.stages}: the K/V ring needs at least 2 buffers")
         return errors + smem_limit_errors(d, self.smem_bytes(d))

@@ -16,7 +16,8 @@ A spec file (specs/*.yaml) names a family, its tuning table and groups of functi
       - {arch: sm_80, head_dims: 256}
 
 Each group expands to its cross product, minus the excludes. The tuning table gives each
-(kernel, arch, head dims) its performance fields:
+(kernel, arch, head dims) its performance fields; a group may name a table of its own
+(`tuning: tuning/x.yaml` beside its axes) for variants that need other tiles (say, with a bias):
 
     fwd:
       sm_90a:
@@ -171,7 +172,7 @@ def _parse_excludes(spec: LocatedDict, out: _Collector) -> list[dict[str, Any]]:
     return excludes
 
 
-def _load_tuning(path: Path, display: str, family: str, out: _Collector) -> LocatedDict | None:
+def _load_tuning(path: Path, display: str, out: _Collector) -> LocatedDict | None:
     if not path.is_file():
         return None
     try:
@@ -237,6 +238,21 @@ def _check_shared_tiles(tuning: LocatedDict, fields: dict[str, Any], row: Locate
                     f"{leader_row.get(key, '(missing)')}: {fields['kernel']} works on the tiles {leader} makes")
 
 
+def _tuning_of(mapping: LocatedDict, context: str, display: str, specs_root: Path,
+               out: _Collector) -> tuple[LocatedDict | None, str]:
+    """The tuning table a spec (or one of its groups) names under `tuning`, and its display path."""
+    name = mapping.get("tuning")
+    if not isinstance(name, str):
+        if "tuning" in mapping:
+            out.add(mapping.key_where["tuning"], context, "expected a path relative to the specs directory")
+        return None, ""
+    tuning_display = str(Path(display).parent / name)
+    tuning = _load_tuning(specs_root / name, tuning_display, out)
+    if tuning is None and not any(i.where.file == tuning_display for i in out.issues):
+        out.add(mapping.key_where["tuning"], context, f"tuning table {tuning_display} does not exist")
+    return tuning, tuning_display
+
+
 def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) -> list[Variant]:
     try:
         spec = located_yaml.load(path, display)
@@ -255,14 +271,7 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
         out.add(spec.key_where["family"], "family",
                 f"unknown family {family!r} (expected one of: {', '.join(FAMILIES)})")
         return []
-    tuning = None
-    if isinstance(spec.get("tuning"), str):
-        tuning_display = str(Path(display).parent / spec["tuning"])
-        tuning = _load_tuning(specs_root / spec["tuning"], tuning_display, family, out)
-        if tuning is None and not any(i.where.file == tuning_display for i in out.issues):
-            out.add(spec.key_where["tuning"], "tuning", f"tuning table {tuning_display} does not exist")
-    elif "tuning" in spec:
-        out.add(spec.key_where["tuning"], "tuning", "expected a path relative to the specs directory")
+    spec_tuning = _tuning_of(spec, "tuning", display, specs_root, out)
 
     groups = spec.get("variants", [])
     if not isinstance(groups, LocatedList):
@@ -277,7 +286,10 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
         if not isinstance(group, LocatedDict):
             out.add(where, f"variants[{gi}]", "expected a mapping of axis: [values]")
             continue
-        _check_keys(group, AXES, context, out)
+        _check_keys(group, (*AXES, "tuning"), context, out)
+        tuning, tuning_path = spec_tuning
+        if "tuning" in group:
+            tuning, tuning_path = _tuning_of(group, f"{context}tuning", display, specs_root, out)
         for axis in REQUIRED_AXES:
             if axis not in group:
                 out.add(group.where, f"{context}{axis}", "required axis is missing")
@@ -296,7 +308,7 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
             if row is None:
                 out.add(where, f"variants[{gi}]",
                         f"no tuning for {fields['kernel']} {fields['arch']} head dims "
-                        f"{head_dims_key(d_qk, d_v)} in {Path(display).parent / spec['tuning']} "
+                        f"{head_dims_key(d_qk, d_v)} in {tuning_path} "
                         f"(add {fields['kernel']}: {fields['arch']}: {head_dims_key(d_qk, d_v)}: "
                         f"{{{', '.join(f'{k}: ...' for k in D.PERFORMANCE_FIELDS)}}})")
                 continue

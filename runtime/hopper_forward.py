@@ -18,16 +18,17 @@ _O_BOX_ROWS = 64
 
 
 def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                        causal: str, scale: float, sink: torch.Tensor | None, target: Target,
-                        registry: KernelRegistry) -> KernelLaunch:
+                        causal: str, scale: float, bias: KernelBias | None, sink: torch.Tensor | None,
+                        target: Target, registry: KernelRegistry) -> KernelLaunch:
     """The persistent Hopper forward for checked inputs; UnsupportedError where TMA cannot address them."""
     b, hq, sq, dqk = q.shape
     _, hkv, sk, dv = v.shape
-    entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal, family="hopper"),
-                          target.capability)
+    entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal, bias=bias is not None,
+                                  family="hopper"), target.capability)
     tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
     if sk == 0:
         raise UnsupportedError("the hopper forward needs at least one key")
+    bias_map = tma.encode_bias(bias.tensor, tile_m) if bias is not None else tma.BiasMap.none()
     num_m_blocks = ceil_div(sq, tile_m)
     # Causal tiles differ in length: CTAs claim them from a counter (zeroed here, on the launch's
     # stream) instead of a fixed round robin, which left some CTAs mostly long ones.
@@ -39,6 +40,8 @@ def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, num_m_blocks=num_m_blocks,
         scale=scale, scale_log2=scale * math.log2(math.e),
         tile_counter=0 if counter is None else counter.data_ptr(),
+        tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step, bias_head_step=bias_map.head_step,
+        bias_batch_step=bias_map.batch_step,
     )
     # Persistent: one CTA per SM (each takes all of an SM's registers).
     sms = torch.cuda.get_device_properties(target.device).multi_processor_count
@@ -52,11 +55,12 @@ def plan_if_hopper(backend: str | None, q: torch.Tensor, k: torch.Tensor, v: tor
     """The Hopper launch when `backend` selects that family for this call, else None (portable).
 
     Under auto, inputs whose layout TMA cannot address go to the portable family too."""
-    hopper_request = request("fwd", inputs.DTYPES[q.dtype], q.shape[3], v.shape[3], causal, family="hopper")
-    if forward_family(backend, target.capability, bias is not None, registry, hopper_request, packed) != "hopper":
+    hopper_request = request("fwd", inputs.DTYPES[q.dtype], q.shape[3], v.shape[3], causal, bias=bias is not None,
+                             family="hopper")
+    if forward_family(backend, target.capability, registry, hopper_request, packed) != "hopper":
         return None
     try:
-        return plan_hopper_forward(q, k, v, out, lse, causal, scale, sink, target, registry)
+        return plan_hopper_forward(q, k, v, out, lse, causal, scale, bias, sink, target, registry)
     except UnsupportedError:
         if backend == "hopper":
             raise

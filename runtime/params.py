@@ -98,6 +98,7 @@ class HopperFwdParams(ctypes.Structure):
         ("tma_k", TmaDescriptor),
         ("tma_v", TmaDescriptor),
         ("tma_o", TmaDescriptor),
+        ("tma_bias", TmaDescriptor),
         ("lse", ctypes.c_uint64),
         ("sink", ctypes.c_uint64),
         ("batch", ctypes.c_int32),
@@ -109,7 +110,10 @@ class HopperFwdParams(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
         ("tile_counter", ctypes.c_uint64),
-        ("_pad", ctypes.c_uint8 * 8),
+        ("bias_row_step", ctypes.c_int32),
+        ("bias_head_step", ctypes.c_int32),
+        ("bias_batch_step", ctypes.c_int32),
+        ("_pad", ctypes.c_uint8 * 60),
     ]
 
 

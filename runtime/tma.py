@@ -3,7 +3,8 @@
 CuTe's host-side TMA helpers are not available under NVRTC, so the runtime builds the maps: a
 (B, H, S, d) tensor with a contiguous head dim becomes a 4-d map (d, S, H, B) with byte strides,
 read and written in boxes of 64 columns (one 128-byte swizzle atom) by `rows` rows. Rows past S
-are zero-filled on loads and dropped on stores, so tiles never reach into the next head.
+are zero-filled on loads and dropped on stores, so tiles never reach into the next head. A bias
+(B, H_q, S_q, S_k) maps the same way, its keys as the columns.
 """
 from __future__ import annotations
 
@@ -30,19 +31,21 @@ class TensorMapShape:
     box: tuple[int, int, int, int]      # (BOX_COLS, rows, 1, 1)
 
 
-def tensor_map_shape(t: torch.Tensor, rows: int) -> TensorMapShape:
+def tensor_map_shape(t: torch.Tensor, rows: int, whole_boxes: bool = True) -> TensorMapShape:
     """The map's shape for `t` and a box of `rows` rows; UnsupportedError where TMA cannot read `t`
-    (the caller then falls back to a kernel that reads through plain pointers)."""
+    (the caller then falls back to a kernel that reads through plain pointers). `whole_boxes`: the
+    last dim must be whole boxes (head dims; a bias's key dim need not be, TMA zero-fills past it)."""
     if t.dim() != 4 or t.stride(3) != 1:
-        raise UnsupportedError(f"TMA needs a 4-d tensor with a contiguous head dim, got strides {t.stride()}")
+        raise UnsupportedError(f"TMA needs a 4-d tensor with a contiguous last dim, got strides {t.stride()}")
     b, h, s, d = t.shape
     elem = t.element_size()
-    if d % BOX_COLS or not 0 < rows <= _MAX_BOX_ROWS:
+    if (whole_boxes and d % BOX_COLS) or not 0 < rows <= _MAX_BOX_ROWS:
         raise UnsupportedError(f"TMA boxes of {BOX_COLS} columns x {rows} rows do not fit head dim {d}")
     if t.data_ptr() % 16:
         raise UnsupportedError("TMA needs a 16-byte aligned base address")
     strides = []
-    span = d * elem  # bytes of one step of the previous dim, for dims of extent 1 (any stride is fine)
+    # Bytes of one step of the previous dim, for dims of extent 1 (any multiple of 16 will do).
+    span = -(-d * elem // 16) * 16
     for extent, stride in ((s, t.stride(2)), (h, t.stride(1)), (b, t.stride(0))):
         step = stride * elem if extent > 1 else span
         if step <= 0 or step % 16 or step >= _MAX_STRIDE:
@@ -52,11 +55,42 @@ def tensor_map_shape(t: torch.Tensor, rows: int) -> TensorMapShape:
     return TensorMapShape(t.data_ptr(), (d, s, h, b), tuple(strides), (BOX_COLS, rows, 1, 1))
 
 
-def encode(t: torch.Tensor, rows: int) -> TmaDescriptor:
+def encode(t: torch.Tensor, rows: int, whole_boxes: bool = True) -> TmaDescriptor:
     """The CUtensorMap of `t` (fp16/bf16) for boxes of `rows` rows, 128-byte swizzled."""
     descriptor = TmaDescriptor()
-    descriptor.words[:] = _encoded(tensor_map_shape(t, rows), t.dtype)
+    descriptor.words[:] = _encoded(tensor_map_shape(t, rows, whole_boxes), t.dtype)
     return descriptor
+
+
+@dataclass(frozen=True)
+class BiasMap:
+    """A bias's map and the steps the kernel multiplies its row, head and batch coordinates by: a
+    dim the bias broadcasts along (stride 0) becomes extent 1, read at coordinate 0; broadcast over
+    query rows, the map's box is one row high (the kernel reads that row for every query)."""
+
+    descriptor: TmaDescriptor
+    row_step: int
+    head_step: int
+    batch_step: int
+
+    @staticmethod
+    def none() -> "BiasMap":
+        return BiasMap(TmaDescriptor(), 0, 0, 0)
+
+
+def bias_view(bias: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """What the map of a (B, H_q, S_q, S_k) bias view (zero strides where it broadcasts,
+    runtime/bias.py) covers, and its (row, head, batch) steps."""
+    b, h, sq, _ = bias.shape
+    steps = tuple(int(bias.stride(dim) != 0) for dim in (2, 1, 0))
+    row_step, head_step, batch_step = steps
+    return bias[:b if batch_step else 1, :h if head_step else 1, :sq if row_step else 1], steps
+
+
+def encode_bias(bias: torch.Tensor, rows: int) -> BiasMap:
+    """The map of a bias view (bias_view) for boxes of `rows` query rows (or 1) by 64 keys."""
+    view, (row_step, head_step, batch_step) = bias_view(bias)
+    return BiasMap(encode(view, rows if row_step else 1, whole_boxes=False), row_step, head_step, batch_step)
 
 
 # A map is a pure function of its shape (address included), and the caching allocator hands the

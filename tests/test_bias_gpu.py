@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashkiln
+from flashkiln.errors import VariantNotFoundError
 from reference import (attention_grad_reference, attention_reference, check_grads_against, fa_style_check,
                        repro_line, seed_of)
 
@@ -43,8 +44,20 @@ def _bias(kind: str, sq: int, sk: int, gen: torch.Generator, dtype=torch.bfloat1
     return 2 * torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
 
 
-def _forward_check(q, k, v, causal, bias, repro):
-    out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias)
+# Each kernel family explicitly (auto picks hopper on an H200 wherever it can).
+BACKENDS = ("portable", "hopper")
+HOPPER_HEAD_DIMS = {(64, 64), (128, 128), (256, 256)}  # specs/hopper.yaml
+
+
+def _forward_check(q, k, v, causal, bias, repro, backend=None):
+    if backend == "hopper":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the hopper backend runs on compute capability 9.0 only")
+        if (q.shape[-1], v.shape[-1]) not in HOPPER_HEAD_DIMS:
+            with pytest.raises(VariantNotFoundError, match="hopper"):
+                flashkiln.attention_forward(q, k, v, causal=causal, bias=bias, backend=backend)
+            return
+    out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias, backend=backend)
     ref32 = attention_reference(q, k, v, causal, None, torch.float32, bias)
     reflp = attention_reference(q, k, v, causal, None, q.dtype, bias)
     fa_style_check("out", out, ref32.out, reflp.out, 2, repro)
@@ -64,20 +77,40 @@ def _backward_check(q, k, v, dout, causal, bias, bias_grad, repro):
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("kind", SHAPES)
-def test_forward_every_bias_shape(kind, causal, sq, sk):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_every_bias_shape(backend, kind, causal, sq, sk):
     seed = seed_of("fwd", kind, causal, sq, sk)
     q, k, v, _, gen = _inputs(seed, sq, sk)
     _forward_check(q, k, v, causal, _bias(kind, sq, sk, gen),
-                   _repro("test_forward_every_bias_shape", seed=seed, kind=kind, causal=causal, sq=sq, sk=sk))
+                   _repro("test_forward_every_bias_shape", seed=seed, backend=backend, kind=kind, causal=causal,
+                          sq=sq, sk=sk), backend)
 
 
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_forward_head_dims_and_dtypes(dims, dtype):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_head_dims_and_dtypes(backend, dims, dtype):
     seed = seed_of("fwd-dims", dims, dtype)
     q, k, v, _, gen = _inputs(seed, 333, 1000, dims, dtype)
     _forward_check(q, k, v, "top_left", _bias("full", 333, 1000, gen, dtype),
-                   _repro("test_forward_head_dims_and_dtypes", seed=seed, dims=dims, dtype=dtype))
+                   _repro("test_forward_head_dims_and_dtypes", seed=seed, backend=backend, dims=dims, dtype=dtype),
+                   backend)
+
+
+@pytest.mark.parametrize("kind", ["full", "shared"])
+def test_hopper_and_portable_forwards_agree(kind):
+    """The two families on the same biased inputs, against each other within the FA-style rule."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper backend runs on compute capability 9.0 only")
+    seed = seed_of("families", kind)
+    q, k, v, _, gen = _inputs(seed, 1000, 1000)
+    bias = _bias(kind, 1000, 1000, gen)
+    hopper = flashkiln.attention_forward(q, k, v, causal="bottom_right", bias=bias, backend="hopper")
+    portable = flashkiln.attention_forward(q, k, v, causal="bottom_right", bias=bias, backend="portable")
+    ref32 = attention_reference(q, k, v, "bottom_right", None, torch.float32, bias)
+    repro = _repro("test_hopper_and_portable_forwards_agree", seed=seed, kind=kind)
+    fa_style_check("out", hopper[0], ref32.out, portable[0], 2, repro)
+    fa_style_check("lse", hopper[1], ref32.lse, portable[1], 2, repro)
 
 
 @pytest.mark.parametrize("sq,sk", SEQLENS)

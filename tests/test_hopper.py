@@ -16,6 +16,7 @@ from flashkiln.generator.render import render
 from flashkiln.generator.specs import load_variants
 from flashkiln.params import HopperFwdParams, params_layout
 from flashkiln import backends, tma
+from flashkiln.bias import prepare_bias
 
 REPO = Path(__file__).resolve().parent.parent
 HOPPER = FAMILIES["hopper"]
@@ -41,7 +42,6 @@ def test_default_hopper_specs_cover_the_forward_contract():
 @pytest.mark.parametrize("overrides, message", [
     ({"kernel": "bwd"}, "only the forward"),
     ({"arch": "sm_80"}, "sm_90a only"),
-    ({"bias": "additive"}, "no bias"),
     ({"d_qk": 96, "d_v": 96}, "multiple of 64"),
     ({"d_qk": 128, "d_v": 256}, "staged in Q"),
 ])
@@ -56,6 +56,7 @@ def test_functional_errors(overrides, message):
     ({"tile_n": 72}, "multiple of 16"),
     ({"stages": 1}, "at least 2"),
     ({"d_qk": 256, "d_v": 256, "tile_n": 128, "stages": 3}, "bytes of shared memory"),
+    ({"bias": "additive", "tile_n": 80}, "multiple of 64"),
 ])
 def test_tuning_errors(overrides, message):
     errors = HOPPER.tuning_errors(hopper(**overrides))
@@ -70,6 +71,16 @@ def test_smem_formula():
     wide = hopper(tile_n=176)  # no room for it: O leaves through Q's buffer
     assert not HOPPER.own_o_buffer(wide)
     assert HOPPER.smem_bytes(wide) == 2 * (128 * 128 + 2 * 176 * 256) + 1024 + 1008
+    biased = hopper(bias="additive")  # a bias tile per stage, and a barrier block of its own
+    assert not HOPPER.own_o_buffer(biased)
+    assert HOPPER.smem_bytes(biased) == 2 * (128 * 128 + 2 * 128 * 256 + 2 * 128 * 128) + 2 * 1024 + 1008
+
+
+def test_default_specs_give_biased_variants_their_own_tiles():
+    variants = [v.descriptor for v in load_variants(REPO / "specs") if v.descriptor.family == "hopper"]
+    biased = {d.d_qk: d.tile_n for d in variants if d.bias == "additive"}
+    plain = {d.d_qk: d.tile_n for d in variants if d.bias == "none"}
+    assert biased == {64: 128, 128: 128, 256: 64} and plain == {64: 128, 128: 160, 256: 80}
 
 
 # -- parameter block -----------------------------------------------------------------------------
@@ -79,7 +90,7 @@ def test_params_block_keeps_tensor_maps_64_byte_aligned():
     assert layout.cpp_type == "flashkiln::HopperFwdParams"
     assert layout.size % 64 == 0 and layout.size == ctypes.sizeof(HopperFwdParams)
     maps = [f for f in layout.fields if f.name.startswith("tma_")]
-    assert [f.offset for f in maps] == [0, 128, 256, 384] and all(f.size == 128 and f.is_aggregate for f in maps)
+    assert [f.offset for f in maps] == [0, 128, 256, 384, 512] and all(f.size == 128 and f.is_aggregate for f in maps)
     assert params_layout("fwd", "hopper").digest != params_layout("fwd").digest
 
 
@@ -92,27 +103,31 @@ def test_rendered_unit_checks_the_hopper_params_abi():
 
 @pytest.mark.nvrtc
 def test_compiled_kernel_uses_tma_and_wgmma(tmp_path, build_cache):
-    """The real toolchain: the d=128 causal variant has HGMMA, TMA loads and stores, setmaxnreg, and
-    no local memory in the consumers' code (the producer, at 24 registers, may spill a little)."""
+    """The real toolchain: the d=128 causal variants, without and with a bias, have HGMMA, TMA loads
+    and stores, setmaxnreg, and no local memory in the consumers' code (the producer, at 24
+    registers, may spill a little)."""
     from flashkiln.generator import build
     from flashkiln.generator.sass import disassemble, opcode_counts
 
     specs = tmp_path / "specs"
     (specs / "tuning").mkdir(parents=True)
     (specs / "hopper.yaml").write_text((REPO / "specs" / "hopper.yaml").read_text())
-    (specs / "tuning" / "hopper.yaml").write_text((REPO / "specs" / "tuning" / "hopper.yaml").read_text())
+    for tuning in (REPO / "specs" / "tuning").glob("hopper*.yaml"):
+        (specs / "tuning" / tuning.name).write_text(tuning.read_text())
     selection = build.Selection(r"fwd_hopper_sm90a_bf16_d128_causal-br_", None)
     manifest = build.generate(specs, tmp_path / "out", workers=1, selection=selection, cache_dir=build_cache,
                               progress=False, report=False)
-    (entry,) = manifest.kernels
-    assert entry.threads == 384
-    sass = disassemble(manifest.directory / entry.cubin)
-    ops = opcode_counts(sass)
-    assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["UTMASTG"] > 0 and ops["USETMAXREG"] > 0, ops
-    assert ops["HMMA"] == 0, ops
-    # ptxas lays the consumer branch (after the register increase) out before the producer's.
-    consumers = sass[sass.index("USETMAXREG.TRY_ALLOC"):sass.index("USETMAXREG.DEALLOC")]
-    assert "HGMMA" in consumers and "LDL" not in consumers and "STL" not in consumers
+    assert sorted("bias-additive" in e.name for e in manifest.kernels) == [False, True]
+    for entry in manifest.kernels:
+        assert entry.threads == 384
+        sass = disassemble(manifest.directory / entry.cubin)
+        sass = sass[sass.index(f"Function : {entry.symbol}"):]  # a unit's cubin holds several
+        ops = opcode_counts(sass)
+        assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["UTMASTG"] > 0 and ops["USETMAXREG"] > 0, ops
+        assert ops["HMMA"] == 0, ops
+        # ptxas lays the consumer branch (after the register increase) out before the producer's.
+        consumers = sass[sass.index("USETMAXREG.TRY_ALLOC"):sass.index("USETMAXREG.DEALLOC")]
+        assert "HGMMA" in consumers and "LDL" not in consumers and "STL" not in consumers, entry.name
 
 
 # -- tensor maps ----------------------------------------------------------------------------------
@@ -141,6 +156,24 @@ def test_tensor_maps_refuse_what_tma_cannot_address(make):
         tma.tensor_map_shape(make(), 64)
 
 
+@pytest.mark.parametrize("shape, steps, rows", [
+    ((2, 3, 100, 70), (1, 1, 1), 128),   # full; 70 keys: not whole 64-key boxes, which a bias need not be
+    ((1, 3, 100, 70), (1, 1, 0), 128),   # broadcast over the batch
+    ((2, 1, 100, 70), (1, 0, 1), 128),   # ... over heads
+    ((1, 1, 100, 70), (1, 0, 0), 128),
+    ((2, 1, 1, 70), (0, 0, 1), 1),       # a key-padding mask: one row, read for every query
+])
+def test_bias_maps_read_broadcast_dims_at_coordinate_0(shape, steps, rows):
+    q = torch.empty(2, 3, 100, 64, dtype=torch.bfloat16)
+    kernel_bias = prepare_bias(torch.randn(shape, dtype=torch.bfloat16), (2, 3, 100, 70), q)
+    view, got_steps = tma.bias_view(kernel_bias.tensor)
+    assert got_steps == steps
+    map_shape = tma.tensor_map_shape(view, 128 if steps[0] else 1, whole_boxes=False)
+    assert map_shape.dims == (70, shape[2], shape[1], shape[0]) and map_shape.box == (64, rows, 1, 1)
+    if steps[0]:
+        assert map_shape.strides[0] == 72 * 2  # rows padded to whole 16-byte pieces (runtime/bias.py)
+
+
 # -- backend selection ---------------------------------------------------------------------------
 
 class FakeRegistry:
@@ -154,31 +187,28 @@ class FakeRegistry:
 REQUEST = {"kernel": "fwd", "family": "hopper"}
 
 
-@pytest.mark.parametrize("capability, bias, has, expected", [
-    ((9, 0), False, True, "hopper"),
-    ((9, 0), False, False, "portable"),   # variant not generated
-    ((9, 0), True, True, "portable"),     # bias: portable only
-    ((8, 0), False, True, "portable"),
+@pytest.mark.parametrize("capability, has, expected", [
+    ((9, 0), True, "hopper"),
+    ((9, 0), False, "portable"),   # variant not generated (the request names bias, causal, ...)
+    ((8, 0), True, "portable"),
 ])
-def test_auto_prefers_hopper_where_it_can_run(capability, bias, has, expected):
-    assert backends.forward_family(None, capability, bias, FakeRegistry(has), REQUEST) == expected
+def test_auto_prefers_hopper_where_it_can_run(capability, has, expected):
+    assert backends.forward_family(None, capability, FakeRegistry(has), REQUEST) == expected
 
 
 def test_explicit_backends():
-    assert backends.forward_family("portable", (9, 0), False, FakeRegistry(True), REQUEST) == "portable"
-    assert backends.forward_family("hopper", (9, 0), False, FakeRegistry(False), REQUEST) == "hopper"
+    assert backends.forward_family("portable", (9, 0), FakeRegistry(True), REQUEST) == "portable"
+    assert backends.forward_family("hopper", (9, 0), FakeRegistry(False), REQUEST) == "hopper"
     with pytest.raises(UnsupportedError, match="compute capability 9.0"):
-        backends.forward_family("hopper", (8, 0), False, FakeRegistry(True), REQUEST)
-    with pytest.raises(UnsupportedError, match="bias"):
-        backends.forward_family("hopper", (9, 0), True, FakeRegistry(True), REQUEST)
+        backends.forward_family("hopper", (8, 0), FakeRegistry(True), REQUEST)
     with pytest.raises(InvalidInputError):
-        backends.forward_family("cudnn", (9, 0), False, FakeRegistry(True), REQUEST)
+        backends.forward_family("cudnn", (9, 0), FakeRegistry(True), REQUEST)
 
 
 def test_packed_batches_run_on_the_portable_family():
-    assert backends.forward_family(None, (9, 0), False, FakeRegistry(True), REQUEST, packed=True) == "portable"
+    assert backends.forward_family(None, (9, 0), FakeRegistry(True), REQUEST, packed=True) == "portable"
     with pytest.raises(UnsupportedError, match="packed"):
-        backends.forward_family("hopper", (9, 0), False, FakeRegistry(True), REQUEST, packed=True)
+        backends.forward_family("hopper", (9, 0), FakeRegistry(True), REQUEST, packed=True)
 
 
 def test_attention_forward_checks_backend_first():

@@ -93,8 +93,8 @@ def test_rows_without_visible_keys():
 
 
 def test_auto_takes_hopper_and_falls_back(monkeypatch):
-    """Auto runs the Hopper kernel for a generated variant and the portable one for a variant the
-    hopper family lacks; backend="hopper" refuses those, and a bias, with typed errors."""
+    """Auto runs the Hopper kernel for a generated variant (with a bias too) and the portable one
+    for a variant the hopper family lacks; backend="hopper" refuses those with typed errors."""
     from flashkiln import hopper_forward
 
     planned = []
@@ -104,9 +104,11 @@ def test_auto_takes_hopper_and_falls_back(monkeypatch):
     auto = flashkiln.attention_forward(q, k, v)
     assert planned == [1]
     torch.testing.assert_close(auto[0], flashkiln.attention_forward(q, k, v, backend="hopper")[0], rtol=0, atol=0)
-    bias = torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(flashkiln.UnsupportedError):
-        flashkiln.attention_forward(q, k, v, bias=bias, backend="hopper")
+    bias = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    biased = flashkiln.attention_forward(q, k, v, bias=bias)
+    assert planned == [1, 1, 1]
+    torch.testing.assert_close(biased[0], flashkiln.attention_forward(q, k, v, bias=bias, backend="hopper")[0],
+                               rtol=0, atol=0)
     d96 = _inputs(seed_of("hopper-d96"), 1, 2, 2, 64, 64, 96, torch.bfloat16)
     with pytest.raises((flashkiln.UnsupportedError, flashkiln.VariantNotFoundError)):
         flashkiln.attention_forward(*d96, backend="hopper")
@@ -122,9 +124,10 @@ def test_causal_launch_keeps_its_tile_counter():
 
     q, k, v = _inputs(seed_of("hopper-counter"), 1, 2, 2, 256, 256, 128, torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    launch = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "top_left", 0.1, None, Target.of(q),
+    launch = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "top_left", 0.1, None, None, Target.of(q),
                                                 default_registry())
     (counter,) = launch.keep_alive
     assert launch.params.tile_counter == counter.data_ptr() and counter.item() == 0
-    plain = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "none", 0.1, None, Target.of(q), default_registry())
+    plain = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "none", 0.1, None, None, Target.of(q),
+                                               default_registry())
     assert plain.params.tile_counter == 0 and plain.keep_alive == ()

@@ -84,19 +84,20 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_254_unique_variants():
+def test_default_specs_expand_to_272_unique_variants():
     variants = load_variants(REPO / "specs")
     # portable: fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128) + 30 (sm_90a, bias) + 18 (sm_80,
     # bias), bwd 60 + 30 (deterministic, bias), bwd_pre and bwd_post 10 each, bwd_dq 30; hopper: fwd 18
-    assert len(variants) == 254
-    assert len({v.descriptor.hash for v in variants}) == 254
-    assert len({v.descriptor.name for v in variants}) == 254
+    # + 18 (bias)
+    assert len(variants) == 272
+    assert len({v.descriptor.hash for v in variants}) == 272
+    assert len({v.descriptor.name for v in variants}) == 272
     assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
     assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
         (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     kinds = [v.descriptor.kernel for v in variants]
-    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [114, 90, 10, 10, 30]
-    assert sum(v.descriptor.bias == "additive" for v in variants) == 78
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [132, 90, 10, 10, 30]
+    assert sum(v.descriptor.bias == "additive" for v in variants) == 96
     assert {v.spec_file for v in variants} == {SPEC, "specs/hopper.yaml"}
     assert all(v.spec_file == "specs/hopper.yaml" for v in variants if v.descriptor.family == "hopper")
 

@@ -13,6 +13,7 @@
 #include <flashkiln/hopper/pipeline.hpp>
 #include <flashkiln/hopper/tile_scheduler.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
+#include <flashkiln/shared_access.hpp>
 
 namespace flashkiln::hopper {
 
@@ -41,7 +42,12 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   }
   // Own O buffer: the leader's wait is done. O in Q's buffer: the last wgmma has read those rows.
   named_barrier_sync(1 + warpgroup, 128);
-  copy(rO, thr_o.partition_C(sO));
+  // Column pairs of a row are adjacent in shared memory too (the swizzle moves 16-byte pieces).
+  Tensor tOsO = thr_o.partition_C(sO);
+  CUTE_UNROLL
+  for (int i = 0; i < size(rO); i += 2) {
+    store_shared_u32(&tOsO(i), *reinterpret_cast<uint32_t const*>(&rO(i)));
+  }
   // Generic-proxy writes that the TMA engine reads next: fence, then gather the warpgroup.
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(1 + warpgroup, 128);

@@ -25,7 +25,10 @@ template <class T>
 __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
   using SharedStorage = typename T::SharedStorage;
   extern __shared__ char smem_raw[];
-  auto& ss = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Round up to 1024 bytes by offsetting the shared array itself: a pointer rebuilt from an integer
+  // would lose its address space, and every access through it would be a generic LD/ST.
+  const uint32_t misalignment = cute::cast_smem_ptr_to_uint(smem_raw) % 1024;
+  auto& ss = *reinterpret_cast<SharedStorage*>(smem_raw + (1024 - misalignment) % 1024);
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -39,6 +42,10 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
       Barrier::init(&ss.v_full[s], 1);
       Barrier::init(&ss.k_empty[s], T::kConsumerThreads);
       Barrier::init(&ss.v_empty[s], T::kConsumerThreads);
+      if constexpr (T::kBias) {
+        Barrier::init(&ss.bias.full[s], 1);
+        Barrier::init(&ss.bias.empty[s], T::kConsumerThreads);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }

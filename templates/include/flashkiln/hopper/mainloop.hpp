@@ -11,6 +11,7 @@
 #include <flashkiln/hopper/params.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
 #include <flashkiln/hopper/tile_scheduler.hpp>
+#include <flashkiln/portable/bias.hpp>
 #include <flashkiln/portable/masking.hpp>
 #include <flashkiln/portable/online_softmax.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
@@ -39,6 +40,9 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_q));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
+  if constexpr (T::kBias) {
+    cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_bias));
+  }
   const int group = p.heads_q / p.heads_kv;
   Sched sched(p.num_m_blocks, p.heads_q, p.batch, p.tile_counter);
   PipelineState<T::kStages> kv;
@@ -82,6 +86,18 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
         tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * T::kBoxCols,
                  c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
       }
+      if constexpr (T::kBias) {
+        // A bias broadcast over query rows loads one row per box, into the box's first row.
+        Barrier::wait(&ss.bias.empty[kv.stage], kv.phase ^ 1);
+        TxBarrier::arrive_and_expect_tx(&ss.bias.full[kv.stage], p.bias_row_step ? T::kBytesBias : T::kBytesBiasRow);
+        CUTE_UNROLL
+        for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
+          tma_load(&p.tma_bias, &ss.bias.full[kv.stage],
+                   ss.bias.tiles + kv.stage * T::kElemsBias + c * T::kBlockM * T::kBoxCols,
+                   n_block * T::kBlockN + c * T::kBoxCols, w.m_block * T::kBlockM * p.bias_row_step,
+                   w.head * p.bias_head_step, w.batch * p.bias_batch_step);
+        }
+      }
       Barrier::wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
       TxBarrier::arrive_and_expect_tx(&ss.v_full[kv.stage], T::kBytesV);
       CUTE_UNROLL
@@ -120,6 +136,7 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
   Tensor tOrV = thr_o.partition_fragment_B(sVt);
   Tensor tScS = rowcol(thr_s.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{})));
   const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores (portable/bias.hpp)
   if (n_blocks == 0) {
     if (T::kOwnO) {
       Barrier::arrive(&ss.q_empty);  // a tile without keys reads no Q
@@ -127,11 +144,24 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
     return;
   }
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
-  // Once S of key tile n_block is in acc_s, its K stage is free (and Q's buffer after the last).
+  // Once S of key tile n_block is in acc_s, its K stage is free (and Q's buffer after the last),
+  // and the stage's bias tile joins the scores.
   auto s_done = [&](int n_block) {
     Barrier::arrive(&ss.k_empty[kv.stage]);
     if (T::kOwnO && n_block == 0) {
       Barrier::arrive(&ss.q_empty);
+    }
+    if constexpr (T::kBias) {
+      Tensor sBias = make_tensor(make_smem_ptr(ss.bias.tiles), typename T::BiasRing::Layout{})(_, _, kv.stage);
+      Barrier::wait(&ss.bias.full[kv.stage], kv.phase);
+      if (p.bias_row_step) {
+        portable::add_bias(acc_s, thr_s.partition_C(sBias), inv_scale);
+      } else {
+        // Every query row reads row 0: (r, c) -> (0, c), the tile's index c * kBlockM.
+        auto row0 = make_layout(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}, Stride<_0, Int<T::kBlockM>>{});
+        portable::add_bias(acc_s, thr_s.partition_C(sBias.compose(row0)), inv_scale);
+      }
+      Barrier::arrive(&ss.bias.empty[kv.stage]);
     }
   };
 

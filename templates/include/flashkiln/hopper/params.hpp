@@ -16,6 +16,10 @@ struct HopperFwdParams {
   // 4-d maps (column, row, head, batch) over Q, K, V (loads) and O (stores): they carry the
   // addresses, shapes and strides of the four tensors.
   TmaDescriptor tma_q, tma_k, tma_v, tma_o;
+  // The additive bias as (key, query row, head, batch), when the variant has one: a dim the bias
+  // broadcasts along has extent 1 and is addressed at coordinate 0 (its step below is 0); a bias
+  // broadcast over query rows is read as one row per tile (the map's box is 1 row high).
+  TmaDescriptor tma_bias;
   uint64_t lse;   // float (batch, heads_q, seqlen_q), dense; natural log
   uint64_t sink;  // float (heads_q,), or 0
   int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
@@ -26,7 +30,8 @@ struct HopperFwdParams {
   // (the runtime passes one under a causal mask, where tiles differ in length); 0: a fixed
   // round robin.
   uint64_t tile_counter;
-  uint8_t _pad[8];       // to a multiple of the descriptors' 64-byte alignment
+  int32_t bias_row_step, bias_head_step, bias_batch_step;  // 1, or 0 where the bias broadcasts
+  uint8_t _pad[60];      // to a multiple of the descriptors' 64-byte alignment
 };
 
 }  // namespace flashkiln

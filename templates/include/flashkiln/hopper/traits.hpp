@@ -1,6 +1,7 @@
 // Compile-time shape of one Hopper forward variant: warp roles, shared-memory layouts (128-byte
 // swizzled, as TMA writes them and wgmma reads them), the two warpgroup MMAs and the byte counts
-// the pipeline expects per TMA load.
+// the pipeline expects per TMA load. With kBias, a (tile_m, tile_n) tile of the additive bias
+// rides in every K/V stage, with barriers of its own.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -12,7 +13,8 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_>
+template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_,
+          bool kBias_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -21,6 +23,7 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr Causal kCausal = kCausal_;
+  static constexpr bool kBias = kBias_;
 
   // One producer warpgroup (a single thread issues the TMA loads), then one consumer warpgroup
   // per 64 query rows of the tile.
@@ -48,6 +51,7 @@ struct FwdTraits {
   static_assert(kDimQK % kBoxCols == 0 && kDimV % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tile: wgmma N and the P V GEMM's k16 steps");
   static_assert(kStages >= 2, "at least a double-buffered K/V pipeline");
+  static_assert(!kBias || kBlockN % kBoxCols == 0, "bias tiles load in whole 64-key boxes");
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns, 128-byte swizzle
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDimQK>>{}));
@@ -74,6 +78,19 @@ struct FwdTraits {
   static constexpr uint32_t kBytesQ = kElemsQ * sizeof(Element);
   static constexpr uint32_t kBytesK = kElemsK * sizeof(Element);
   static constexpr uint32_t kBytesV = kElemsV * sizeof(Element);
+  static constexpr int kElemsBias = kBlockM * kBlockN;  // per stage
+  static constexpr uint32_t kBytesBias = kElemsBias * sizeof(Element);
+  static constexpr uint32_t kBytesBiasRow = kBlockN * sizeof(Element);  // one row for every query
+
+  struct NoBias {};
+  // Instantiated only with a bias (tile_n need not be whole 64-key boxes without one).
+  struct BiasRing {
+    // (query rows, keys, stage) in 64-key boxes, laid out like Q's (rows, head dim).
+    using Layout = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{}));
+    alignas(1024) Element tiles[kStages * kElemsBias];
+    uint64_t full[kStages];   // the stage's bias tile landed
+    uint64_t empty[kStages];  // the consumers added it to their scores
+  };
 
   // Swizzled buffers start on 1024-byte boundaries (the 128-byte swizzle repeats every 8 rows).
   // With its own O buffer, Q's buffer is free once the tile's last S = Q K^T has run, so the next
@@ -90,6 +107,7 @@ struct FwdTraits {
     uint64_t k_empty[kStages];    // the consumers finished reading the stage's K
     uint64_t v_empty[kStages];    // ... and its V
     int tile;                     // the work tile of the current Q (valid once q_full completes)
+    cute::conditional_t<kBias, BiasRing, NoBias> bias;
   };
   struct StorageQKVO : StorageQKV {
     alignas(1024) Element o[kElemsO];
