@@ -58,8 +58,7 @@ def prepare_bias(bias: torch.Tensor, scores: tuple[int, int, int, int], q: torch
     if bias.dim() > 4 or any(n not in (1, f) for n, f in zip(bias.shape[::-1], full[::-1])):
         inputs.fail(f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H_q, S_q, S_k) = {full}")
     shape = tuple(bias.shape)
-    if bias.dtype == torch.bool:
-        bias = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
+    bias = additive(bias, q.dtype)
     bias4 = bias[(None,) * (4 - bias.dim())]
     broadcast = _broadcast_dims(shape, full)
     if bias4.shape[3] != full[3]:
@@ -69,6 +68,14 @@ def prepare_bias(bias: torch.Tensor, scores: tuple[int, int, int, int], q: torch
                              device=q.device)
         bias4 = padded[..., :full[3]].copy_(bias4)
     return KernelBias(bias4.expand(full), shape, broadcast)
+
+
+def additive(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`bias` as an additive bias: a bool mask (True keeps) becomes 0 / -inf in `dtype`, of its own
+    shape; anything else is returned as it is (prepare_bias checks it)."""
+    if not isinstance(bias, torch.Tensor) or bias.dtype != torch.bool:
+        return bias
+    return torch.zeros(bias.shape, dtype=dtype, device=bias.device).masked_fill_(~bias, float("-inf"))
 
 
 def ds_row_elements(seqlen_k: int) -> int:

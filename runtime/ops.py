@@ -14,7 +14,7 @@ import torch
 
 from . import inputs as checks
 from .backward import attention_backward
-from .bias import empty_bias_gradient
+from .bias import additive, empty_bias_gradient
 from .errors import InvalidInputError, UnsupportedError
 from .forward import attention_forward
 from .varlen import PackedBatch, as_batched, as_tokens
@@ -144,6 +144,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise InvalidInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
                                 "for grouped-query attention")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    # A bool mask becomes its additive bias here, once, not in both the forward and the backward.
+    attn_mask = None if attn_mask is None else additive(attn_mask, query.dtype)
     out, _ = attention_forward_op(query, key, value, attn_mask, sink, "top_left" if is_causal else "none", scale,
                                   deterministic)
     return out.squeeze(1) if three_d else out
@@ -168,6 +170,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if validate:
         PackedBatch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).validate(q.shape[0], k.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    bias = None if bias is None else additive(bias, q.dtype)  # once (see scaled_dot_product_attention)
     out, _ = attention_forward_op(q, k, v, bias, sink, causal or "none", scale, deterministic, cu_seqlens_q,
                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return out

@@ -112,3 +112,17 @@ def test_a_forced_route_that_cannot_give_dbias_is_refused(registry, monkeypatch)
     monkeypatch.setenv(ROUTE_ENV, "ordered")
     with pytest.raises(flashkiln.UnsupportedError, match="dBias"):
         plan(registry)
+
+
+def test_sdpa_turns_a_boolean_mask_into_its_bias_once(monkeypatch):
+    """The op (forward and, through autograd, backward) receives the additive bias, so the mask is
+    not converted again in each pass."""
+    from flashkiln import ops
+
+    seen = []
+    monkeypatch.setattr(ops, "attention_forward_op", lambda q, k, v, bias, *rest: seen.append(bias) or (q, None))
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    mask = torch.rand(8, 8) < 0.5
+    ops.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    (bias,) = seen
+    assert bias.dtype == torch.bfloat16 and torch.equal(torch.isneginf(bias), ~mask)
