@@ -1,7 +1,8 @@
-// 4-byte shared-memory accesses by address. CuTe swizzles a shared pointer by rewriting its
-// integer value; the compiler then no longer knows the pointer is shared and emits generic
-// LD.E / ST.E (64-bit address math, the generic path). These go through the shared window
-// explicitly. Volatile: they must stay ordered with the mbarrier waits and named barriers around.
+// 4-byte shared-memory accesses by 32-bit shared address (cute::cast_smem_ptr_to_uint). CuTe
+// swizzles a shared pointer by rewriting its integer value; the compiler then no longer knows the
+// pointer is shared and emits generic LD.E / ST.E (64-bit address math, the generic path). These
+// go through the shared window explicitly. Volatile: they must stay ordered with the mbarrier
+// waits and named barriers around.
 #pragma once
 
 #include <cuda/std/cstdint>
@@ -9,14 +10,15 @@
 
 namespace flashkiln {
 
-__device__ __forceinline__ uint32_t load_shared_u32(void const* p) {
+// `address`: in the shared window (cute::cast_smem_ptr_to_uint).
+__device__ __forceinline__ uint32_t load_shared_u32_at(uint32_t address) {
   uint32_t value;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(value) : "r"(cute::cast_smem_ptr_to_uint(p)));
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(value) : "r"(address));
   return value;
 }
 
-__device__ __forceinline__ void store_shared_u32(void* p, uint32_t value) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(p)), "r"(value) : "memory");
+__device__ __forceinline__ void store_shared_u32_at(uint32_t address, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(value) : "memory");
 }
 
 }  // namespace flashkiln

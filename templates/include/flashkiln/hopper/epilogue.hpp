@@ -12,8 +12,8 @@
 #include <flashkiln/hopper/params.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
 #include <flashkiln/hopper/tile_scheduler.hpp>
+#include <flashkiln/hopper/swizzled_tile.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
-#include <flashkiln/shared_access.hpp>
 
 namespace flashkiln::hopper {
 
@@ -31,23 +31,18 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   const float sink = p.sink != 0 ? reinterpret_cast<float const*>(p.sink)[w.head] : -kInfinity;
   softmax.finalize(rowcol(acc_o), p.scale, sink, lse);
   Tensor rO = portable::convert_fragment<typename T::Element>(acc_o);
+  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kDimV>>{}));
   typename T::Element* o_buffer = ss.q;
   if constexpr (T::kOwnO) {
     o_buffer = ss.o;
   }
-  Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename T::SmemLayoutO{});
   const bool leader = thread % 128 == 0;
   if (T::kOwnO && leader) {
     cute::tma_store_wait<0>();  // the previous tile's stores have read the warpgroup's O rows
   }
   // Own O buffer: the leader's wait is done. O in Q's buffer: the last wgmma has read those rows.
   named_barrier_sync(1 + warpgroup, 128);
-  // Column pairs of a row are adjacent in shared memory too (the swizzle moves 16-byte pieces).
-  Tensor tOsO = thr_o.partition_C(sO);
-  CUTE_UNROLL
-  for (int i = 0; i < size(rO); i += 2) {
-    store_shared_u32(&tOsO(i), *reinterpret_cast<uint32_t const*>(&rO(i)));
-  }
+  store_fragment<T::kBlockM>(rO, cO, cute::cast_smem_ptr_to_uint(o_buffer));
   // Generic-proxy writes that the TMA engine reads next: fence, then gather the warpgroup.
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(1 + warpgroup, 128);
@@ -59,13 +54,18 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
     }
     cute::tma_store_arrive();
     if (!T::kOwnO) {
-      cute::tma_store_wait<0>();  // the stores have read Q's buffer: the producer may refill it
-      Barrier::arrive(&ss.q_empty);
+      cute::tma_store_wait<0>();  // the stores have read Q's buffer
     }
+  }
+  if constexpr (!T::kOwnO) {
+    // Every thread releases Q's buffer (and the tile index it read) itself, once the leader's
+    // stores are done with it: the producer may refill both.
+    named_barrier_sync(1 + warpgroup, 128);
+    Barrier::arrive(&ss.q_empty);
   }
 
   // The thread holding column 0 of a row writes that row's LSE.
-  Tensor tOcO = rowcol(thr_o.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kDimV>>{})));
+  Tensor tOcO = rowcol(cO);
   if (get<1>(tOcO(0, 0)) == 0) {
     float* lse_rows = reinterpret_cast<float*>(p.lse) + (int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q;
     CUTE_UNROLL

@@ -33,9 +33,9 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
 
   if (threadIdx.x == 0) {
     Barrier::init(&ss.q_full, 1);
-    // Q's buffer is released by every consumer thread after its last S (with O's own buffer),
-    // else by each consumer warpgroup's leader once O's stores have read it.
-    Barrier::init(&ss.q_empty, T::kOwnO ? T::kConsumerThreads : T::kConsumerWarpgroups);
+    // Q's buffer (and the tile index) is released by every consumer thread: after its last S with
+    // O's own buffer, else once O's stores have read it.
+    Barrier::init(&ss.q_empty, T::kConsumerThreads);
     CUTE_UNROLL
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&ss.k_full[s], 1);

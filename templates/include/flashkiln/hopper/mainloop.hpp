@@ -10,8 +10,8 @@
 #include <flashkiln/hopper/mma.hpp>
 #include <flashkiln/hopper/params.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
+#include <flashkiln/hopper/swizzled_tile.hpp>
 #include <flashkiln/hopper/tile_scheduler.hpp>
-#include <flashkiln/portable/bias.hpp>
 #include <flashkiln/portable/masking.hpp>
 #include <flashkiln/portable/online_softmax.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
@@ -134,7 +134,8 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // shared-memory descriptors
   Tensor tSrK = thr_s.partition_fragment_B(sK);  // (MMA, N, K, stage)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);
-  Tensor tScS = rowcol(thr_s.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{})));
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+  Tensor tScS = rowcol(cS);
   const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
   const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores (portable/bias.hpp)
   if (n_blocks == 0) {
@@ -152,14 +153,12 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
       Barrier::arrive(&ss.q_empty);
     }
     if constexpr (T::kBias) {
-      Tensor sBias = make_tensor(make_smem_ptr(ss.bias.tiles), typename T::BiasRing::Layout{})(_, _, kv.stage);
+      const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + kv.stage * T::kElemsBias);
       Barrier::wait(&ss.bias.full[kv.stage], kv.phase);
       if (p.bias_row_step) {
-        portable::add_bias(acc_s, thr_s.partition_C(sBias), inv_scale);
+        add_bias_tile<T::kBlockM, false, typename T::Element>(acc_s, cS, tile, inv_scale);
       } else {
-        // Every query row reads row 0: (r, c) -> (0, c), the tile's index c * kBlockM.
-        auto row0 = make_layout(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}, Stride<_0, Int<T::kBlockM>>{});
-        portable::add_bias(acc_s, thr_s.partition_C(sBias.compose(row0)), inv_scale);
+        add_bias_tile<T::kBlockM, true, typename T::Element>(acc_s, cS, tile, inv_scale);
       }
       Barrier::arrive(&ss.bias.empty[kv.stage]);
     }

@@ -67,7 +67,7 @@ struct WarpgroupTurns {
   }
 };
 
-// The 4-d TMA tile load used for Q, K and V: (column, row, head, batch) coordinates.
+// The 4-d TMA tile load used for Q, K, V and the bias: (column, row, head, batch) coordinates.
 __device__ __forceinline__ void tma_load(void const* desc, uint64_t* barrier, void* smem, int col, int row,
                                          int head, int batch) {
   cute::SM90_TMA_LOAD_4D::copy(desc, barrier, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),

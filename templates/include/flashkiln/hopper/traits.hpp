@@ -55,7 +55,6 @@ struct FwdTraits {
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns, 128-byte swizzle
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDimQK>>{}));
-  using SmemLayoutO = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDimV>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimQK>, Int<kStages>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimV>, Int<kStages>>{}));
   // V read as the B operand of P V: (d_v, keys, stage), d_v contiguous (MN-major).
@@ -83,10 +82,8 @@ struct FwdTraits {
   static constexpr uint32_t kBytesBiasRow = kBlockN * sizeof(Element);  // one row for every query
 
   struct NoBias {};
-  // Instantiated only with a bias (tile_n need not be whole 64-key boxes without one).
   struct BiasRing {
-    // (query rows, keys, stage) in 64-key boxes, laid out like Q's (rows, head dim).
-    using Layout = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{}));
+    // Per stage (query rows, keys) in 64-key boxes, laid out like Q's (rows, head dim).
     alignas(1024) Element tiles[kStages * kElemsBias];
     uint64_t full[kStages];   // the stage's bias tile landed
     uint64_t empty[kStages];  // the consumers added it to their scores

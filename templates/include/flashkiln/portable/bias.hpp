@@ -12,7 +12,6 @@
 #include <cutlass/numeric_conversion.h>
 
 #include <flashkiln/portable/tile_traits.hpp>
-#include <flashkiln/shared_access.hpp>
 
 namespace flashkiln::portable {
 
@@ -47,8 +46,7 @@ __device__ __forceinline__ void add_bias(Acc& acc, Bias const& bias, float inv_s
   cutlass::NumericArrayConverter<float, Element, 2> convert;
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
-    const uint32_t raw = load_shared_u32(&bias(i));
-    const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(raw));
+    const auto pair = convert(*reinterpret_cast<cutlass::Array<Element, 2> const*>(&bias(i)));
     acc(i) = fmaf(pair[0], inv_scale, acc(i));
     acc(i + 1) = fmaf(pair[1], inv_scale, acc(i + 1));
   }

@@ -1,0 +1,70 @@
+// A thread's wgmma accumulator entries in a shared-memory tile laid out as TMA reads and writes
+// it: (rows, cols) in 64-column boxes of 128 bytes, 128-byte swizzled, so that the byte offset of
+// (r, c) is (c / 64) * rows * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + (c % 8) * 2.
+//
+// A thread's entries sit at its first entry (r0, c0), c0 < 8, plus row offsets that are
+// multiples of 8 and column offsets that are multiples of 8 (or the pair's second column), so
+// r % 8 and c % 8 are the thread's own and every entry's swizzle is one XOR of a per-thread base
+// with a constant: plain 32-bit shared accesses at base ^ constant + constant. (CuTe's swizzled
+// pointers recompute the swizzle on 64-bit generic addresses at every access, which made the
+// bias reads about twice as expensive as the bias add itself.)
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+
+#include <flashkiln/shared_access.hpp>
+
+namespace flashkiln::hopper {
+
+using namespace cute;
+
+// Byte offsets of a thread's column pairs in a (kRows, cols) tile; `coords` is the MMA's C
+// partition of the tile's identity tensor. kRowBroadcast: every row reads row 0.
+template <int kRows, bool kRowBroadcast, class Coords>
+struct SwizzledPairs {
+  Coords const& coords;
+  int r0, c0;
+  uint32_t base;
+
+  __device__ __forceinline__ explicit SwizzledPairs(Coords const& coords_)
+      : coords(coords_), r0(get<0>(coords_(0))), c0(get<1>(coords_(0))),
+        base(kRowBroadcast ? uint32_t(c0 * 2) : uint32_t(r0 * 128 + (r0 % 8) * 16 + c0 * 2)) {}
+
+  // Of the pair that starts at entry i (even); compile-time arithmetic on `base` once unrolled.
+  __device__ __forceinline__ uint32_t operator()(int i) const {
+    const int dr = kRowBroadcast ? 0 : get<0>(coords(i)) - r0;
+    const int dc = get<1>(coords(i)) - c0;
+    return (dc / 64) * kRows * 128 + dr * 128 + (base ^ ((dc % 64 / 8) * 16));
+  }
+};
+
+// acc += bias / scale from the bias tile at shared address `tile` (the scores keep the unscaled
+// Q K^T until the softmax, as in the portable kernels).
+template <int kRows, bool kRowBroadcast, class Element, class Acc, class Coords>
+__device__ __forceinline__ void add_bias_tile(Acc& acc, Coords const& coords, uint32_t tile, float inv_scale) {
+  static_assert(sizeof(Element) == 2 && decltype(size<0, 0>(acc))::value == 2, "pairs of 2-byte entries");
+  const SwizzledPairs<kRows, kRowBroadcast, Coords> offset(coords);
+  cutlass::NumericArrayConverter<float, Element, 2> convert;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const uint32_t raw = load_shared_u32_at(tile + offset(i));
+    const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(raw));
+    acc(i) = fmaf(pair[0], inv_scale, acc(i));
+    acc(i + 1) = fmaf(pair[1], inv_scale, acc(i + 1));
+  }
+}
+
+// The fragment `frag` (2-byte entries, accumulator layout) into the tile at shared address `tile`.
+template <int kRows, class Frag, class Coords>
+__device__ __forceinline__ void store_fragment(Frag const& frag, Coords const& coords, uint32_t tile) {
+  static_assert(sizeof(typename Frag::value_type) == 2, "pairs of 2-byte entries");
+  const SwizzledPairs<kRows, false, Coords> offset(coords);
+  CUTE_UNROLL
+  for (int i = 0; i < size(frag); i += 2) {
+    store_shared_u32_at(tile + offset(i), *reinterpret_cast<uint32_t const*>(&frag(i)));
+  }
+}
+
+}  // namespace flashkiln::hopper
