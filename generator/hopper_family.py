@@ -1,8 +1,8 @@
 """The Hopper kernel family (templates/include/flashkiln/hopper): TMA + wgmma, sm_90a only.
 
 One producer warpgroup and one consumer warpgroup per 64 query rows; K/V (and bias tiles, with a
-bias) stream through a ring of `stages` shared-memory buffers. The formulas here are static_asserted by the C++ side
-(threads, shared-memory bytes), like the portable family's.
+bias) stream through a ring of `stages` shared-memory buffers. The formulas here are
+static_asserted by the C++ side (threads, shared-memory bytes), like the portable family's.
 """
 from __future__ import annotations
 

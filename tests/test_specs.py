@@ -207,7 +207,8 @@ def test_a_group_may_name_its_own_tuning_table(tmp_path):
         "  - kernel: [fwd]\n    arch: [sm_90a]\n    dtype: [fp16]\n    head_dims: [128]\n"
         "    causal: [none]\n    bias: [additive]\n    tuning: tuning/biased.yaml\n")
     specs = write_specs(tmp_path, spec)
-    (specs / "tuning" / "biased.yaml").write_text("fwd:\n  sm_90a:\n    128: {tile_m: 64, tile_n: 64, warps: 4, stages: 1}\n")
+    (specs / "tuning" / "biased.yaml").write_text(
+        "fwd:\n  sm_90a:\n    128: {tile_m: 64, tile_n: 64, warps: 4, stages: 1}\n")
     got = {(d.arch, d.d_qk, d.bias, d.tile_m) for d in (v.descriptor for v in load_variants(specs))}
     assert got == {("sm_80", 64, "none", 128), ("sm_80", 128, "none", 128), ("sm_90a", 64, "none", 128),
                    ("sm_90a", 128, "none", 128), ("sm_90a", 128, "additive", 64)}
