@@ -4,8 +4,11 @@ Method of bench/bench.py (median of CUDA-event timings of single calls after a s
 bf16, H = 2048 / d, B = 16384 / S, causal = top-left square. Each build's output is also compared
 with cuDNN's (max |O - O_cudnn|).
 
-Usage: tools/pyenv.sh python3 bench/bench_hopper_variants.py LABEL=KERNEL_DIR ... [--seqlens 2048 8192]
-       [--head-dims 64 128 256] [--json out.json]
+Usage: tools/pyenv.sh python3 bench/bench_hopper_variants.py LABEL=KERNEL_DIR[@full|@shared] ...
+       [--seqlens 2048 8192] [--head-dims 64 128 256] [--causal both|off|on] [--json out.json]
+A build named with @full or @shared runs with an additive bias of shape (B, H, S, S) or (1, 1, S, S)
+(non-causal rows only), so that builds with and without a bias compare in one process; its output
+is compared with torch's efficient backend on the same bias.
 """
 from __future__ import annotations
 
@@ -31,13 +34,18 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--causal", choices=["both", "off", "on"], default="both")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    builds = {label: KernelRegistry(Path(path)) for label, _, path in (b.partition("=") for b in args.builds)}
+    builds = {}
+    for build in args.builds:
+        label, _, where = build.partition("=")
+        path, _, bias = where.partition("@")
+        builds[label] = (KernelRegistry(Path(path)), bias or None)
     rows = []
     print("d causal S " + " ".join(["cudnn", *builds]) + "   (TFLOP/s; x cudnn; max|O-O_cudnn|)", flush=True)
     for d in args.head_dims:
-        for causal in (False, True):
+        for causal in {"both": (False, True), "off": (False,), "on": (True,)}[args.causal]:
             for s in args.seqlens:
                 b, h = 16384 // s, 2048 // d
                 gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
@@ -45,21 +53,32 @@ def main() -> None:
                            for _ in range(3))
                 flops = 4 * b * h * d * visible_pairs(s, s, causal)
 
+                biases = {"full": (b, h, s, s), "shared": (1, 1, s, s)}
+                biases = {name: torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+                          for name, shape in biases.items() if not causal and any(x[1] == name for x in builds.values())}
+
                 def cudnn():
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+                def efficient(bias):
+                    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
                 with torch.no_grad():
-                    ref = cudnn()
+                    refs = {None: cudnn(), **{name: efficient(bias) for name, bias in biases.items()}}
                     row = {"d": d, "causal": causal, "seqlen": s, "cudnn": flops / time_ms(cudnn, args.warmup, args.reps) / 1e9}
-                    for label, reg in builds.items():
-                        fn = lambda reg=reg: flashkiln.attention_forward(  # noqa: E731
-                            q, k, v, causal="top_left" if causal else None, backend="hopper", registry=reg)[0]
+                    for label, (reg, bias_name) in builds.items():
+                        if bias_name is not None and causal:
+                            continue
+                        fn = lambda reg=reg, bias=biases.get(bias_name): flashkiln.attention_forward(  # noqa: E731
+                            q, k, v, causal="top_left" if causal else None, bias=bias, backend="hopper",
+                            registry=reg)[0]
                         row[label] = flops / time_ms(fn, args.warmup, args.reps) / 1e9
-                        row[label + ":err"] = (fn().float() - ref.float()).abs().max().item()
+                        row[label + ":err"] = (fn().float() - refs[bias_name].float()).abs().max().item()
                 rows.append(row)
                 cells = [f"{row['cudnn']:.0f}"] + [f"{row[l]:.0f} ({row[l] / row['cudnn']:.2f}; {row[l + ':err']:.4f})"
-                                                  for l in builds]
+                                                  if l in row else "-" for l in builds]
                 print(f"{d} {'c' if causal else '-'} {s} " + " | ".join(cells), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -178,6 +178,7 @@ def _entries(unit: CompileUnit, result: CompileResult, cubin_name: str) -> list[
             threads=family.threads(d), smem_bytes=family.smem_bytes(d),
             params_layout=params_layout(d.kernel, d.family).digest, registers=usage.registers,
             spill_bytes=usage.spill_bytes, compile_seconds=round(result.seconds, 2), spec=variant.spec_file,
+            relative_speed=variant.relative_speed,
             nvrtc_version=tc.versions["nvrtc"], cutlass_version=tc.versions["nvidia-cutlass"],
             generator_version=GENERATOR_VERSION,
         ))

@@ -24,6 +24,14 @@ Each group expands to its cross product, minus the excludes. The tuning table gi
         128: {tile_m: 128, tile_n: 64, warps: 4, stages: 1}
         192x128: {...}
 
+A row may also be a list of tunings: each becomes a kernel of its own, and the runtime picks one
+per call by shape (flashkiln.tile_choice). Every tuning after the first gives its measured
+`relative_speed` against the first on equal work:
+
+        64:
+          - {tile_m: 192, tile_n: 128, warps: 16, stages: 2}
+          - {tile_m: 128, tile_n: 128, warps: 12, stages: 2, relative_speed: 0.88}
+
 Every error names its file, line and key; all errors are reported together.
 """
 from __future__ import annotations
@@ -80,6 +88,7 @@ class Variant:
     descriptor: VariantDescriptor
     spec_file: str
     where: Where
+    relative_speed: float = 1.0  # of this tuning against the variant's first (tile_choice)
 
 
 @dataclass
@@ -189,20 +198,37 @@ def _load_tuning(path: Path, display: str, out: _Collector) -> LocatedDict | Non
     return table
 
 
-def tuning_row(table: dict, kernel: str, arch: str, dims: tuple[int, int]) -> dict | None:
-    """The performance fields of (kernel, arch, head dims) in a tuning table, or None."""
+def tuning_rows(table: dict, kernel: str, arch: str, dims: tuple[int, int]) -> list | None:
+    """The tunings of (kernel, arch, head dims) in a tuning table (a row or a list of rows), or None."""
     row: Any = table
     for key in (kernel, arch, head_dims_key(*dims)):
         if not isinstance(row, dict):
             return None
         # YAML reads `128:` as an int key, `192x128:` as a string key.
         row = row.get(key, row.get(int(key)) if isinstance(key, str) and key.isdigit() else None)
-    return row if isinstance(row, dict) else None
+    rows = row if isinstance(row, list) else [row]
+    return rows if rows and all(isinstance(r, dict) for r in rows) else None
+
+
+def tuning_row(table: dict, kernel: str, arch: str, dims: tuple[int, int]) -> dict | None:
+    """The first (default) tuning of (kernel, arch, head dims) in a tuning table, or None."""
+    rows = tuning_rows(table, kernel, arch, dims)
+    return rows[0] if rows else None
+
+
+def _relative_speed(row: LocatedDict, first: bool, context: str, out: _Collector) -> float:
+    speed = row.get("relative_speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed <= 4:
+        out.add(row.where, f"{context}relative_speed", f"{speed!r}: expected a number in (0, 4]")
+        return 1.0
+    if first and speed != 1:
+        out.add(row.where, f"{context}relative_speed", "the first tuning is the reference: its speed is 1")
+    return float(speed)
 
 
 def _descriptor(fields: dict[str, Any], row: LocatedDict, context: str, group_where: Where, group_context: str,
                 out: _Collector) -> VariantDescriptor | None:
-    _check_keys(row, D.PERFORMANCE_FIELDS, context, out)
+    _check_keys(row, (*D.PERFORMANCE_FIELDS, "relative_speed"), context, out)
     missing = [k for k in D.PERFORMANCE_FIELDS if k not in row]
     if missing:
         out.add(row.where, context.rstrip("."), f"missing performance field(s): {', '.join(missing)}")
@@ -304,19 +330,28 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
                 continue
             if tuning is None:
                 continue
-            row = tuning_row(tuning, fields["kernel"], fields["arch"], (d_qk, d_v))
-            if row is None:
+            rows = tuning_rows(tuning, fields["kernel"], fields["arch"], (d_qk, d_v))
+            if rows is None:
                 out.add(where, f"variants[{gi}]",
                         f"no tuning for {fields['kernel']} {fields['arch']} head dims "
                         f"{head_dims_key(d_qk, d_v)} in {tuning_path} "
                         f"(add {fields['kernel']}: {fields['arch']}: {head_dims_key(d_qk, d_v)}: "
                         f"{{{', '.join(f'{k}: ...' for k in D.PERFORMANCE_FIELDS)}}})")
                 continue
-            row_context = f"{fields['kernel']}.{fields['arch']}.{head_dims_key(d_qk, d_v)}."
-            _check_shared_tiles(tuning, fields, row, row_context, out)
-            desc = _descriptor(fields, row, row_context, where, f"variants[{gi}]", out)
-            if desc is not None:
-                variants.append(Variant(desc, display, where))
+            seen = set()  # descriptor hashes of this row's tunings
+            for ri, row in enumerate(rows):
+                row_context = f"{fields['kernel']}.{fields['arch']}.{head_dims_key(d_qk, d_v)}." + \
+                    (f"[{ri}]." if len(rows) > 1 else "")
+                _check_shared_tiles(tuning, fields, row, row_context, out)
+                speed = _relative_speed(row, ri == 0, row_context, out)
+                desc = _descriptor(fields, row, row_context, where, f"variants[{gi}]", out)
+                if desc is None:
+                    continue
+                if desc.hash in seen:
+                    out.add(row.where, row_context.rstrip("."), "repeats an earlier tuning of the same row")
+                    continue
+                seen.add(desc.hash)
+                variants.append(Variant(desc, display, where, speed))
     if not variants and not out.issues:
         out.add(spec.where, "variants", "the spec expands to no variant (everything excluded?)")
     return variants

@@ -24,7 +24,7 @@ def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     b, hq, sq, dqk = q.shape
     _, hkv, sk, dv = v.shape
     entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal, bias=bias is not None,
-                                  family="hopper"), target.capability)
+                                  family="hopper"), target.capability, shape=(sq, sk))
     tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
     if sk == 0:
         raise UnsupportedError("the hopper forward needs at least one key")

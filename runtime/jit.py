@@ -144,7 +144,7 @@ class JitCache:
             entry = KernelEntry(
                 hash=key, name=descriptor.name, symbol=descriptor.symbol, arch=arch, descriptor=descriptor.as_dict(),
                 cubin=str(cubin_path), sha256=hashlib.sha256(cubin).hexdigest(), cubin_bytes=len(cubin),
-                params_layout=params_layout(descriptor.kernel, descriptor.family).digest, spec="jit",
+                params_layout=params_layout(descriptor.kernel, descriptor.family).digest, spec="jit", relative_speed=1.0,
                 generator_version=GENERATOR_VERSION, **fields,
             )
             # The JSON goes last: an entry exists once its JSON names the cubin's hash.

@@ -2,7 +2,8 @@
 
 One JSON file beside the cubins. Per kernel it records the full descriptor and its hash, the
 entry symbol, target arch, cubin file and sha256, the launch contract (threads, dynamic shared
-memory, parameter-block layout) and the toolchain that built it.
+memory, parameter-block layout), the toolchain that built it, and, where a tuning table gives a
+variant several tunings, this one's measured speed relative to the first (flashkiln.tile_choice).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 from .descriptor import VariantDescriptor
 from .errors import ManifestError
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 MANIFEST_NAME = "manifest.json"
 
 
@@ -36,6 +37,7 @@ class KernelEntry:
     spill_bytes: int
     compile_seconds: float  # of the compile unit (cubin) that holds it
     spec: str
+    relative_speed: float  # on equal work, against the variant's first tuning (1 for that one)
     nvrtc_version: str
     cutlass_version: str
     generator_version: str

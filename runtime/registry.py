@@ -12,7 +12,7 @@ from typing import Any
 
 from .archs import ARCHS, arch_preference
 from .descriptor import FUNCTIONAL_FIELDS, PERFORMANCE_FIELDS
-from . import jit
+from . import jit, tile_choice
 from .driver import CudaDriver, Driver
 from .errors import ArchMismatchError, DriverTooOldError, KernelIntegrityError, ManifestError, VariantNotFoundError
 from .manifest import MANIFEST_NAME, KernelEntry, Manifest
@@ -97,7 +97,8 @@ class KernelRegistry:
         index: dict[tuple, list[KernelEntry]] = {}
         for entry in self.manifest.kernels:
             index.setdefault(entry.variant.functional_key, []).append(entry)
-        return index
+        # A variant's first tuning (the reference of the others' relative speeds) leads its list.
+        return {key: sorted(entries, key=lambda e: e.relative_speed != 1) for key, entries in index.items()}
 
     @functools.cached_property
     def _built_archs(self) -> list[str]:
@@ -110,10 +111,12 @@ class KernelRegistry:
         return self._driver
 
     # -- lookup ------------------------------------------------------------------------------
-    def find(self, request: dict[str, Any], capability: tuple[int, int]) -> KernelEntry:
-        """The entry for `request` (every functional field but arch) that runs best on `capability`.
+    def find(self, request: dict[str, Any], capability: tuple[int, int],
+             shape: tuple[int, int] | None = None) -> KernelEntry:
+        """The entry for `request` (every functional field but arch) that runs best on `capability`;
+        of a variant's several tunings, the one tile_choice picks for `shape` (S_q, S_k), else the first.
 
-        On every call's launch path: dictionary lookups only."""
+        On every call's launch path: dictionary lookups (and a cached estimate per tuning)."""
         runnable = [a.name for a in arch_preference(capability)]
         built_archs = self._built_archs
         if not any(a in built_archs for a in runnable):
@@ -129,7 +132,7 @@ class KernelRegistry:
             fields = {**request, "arch": arch}
             entries = self._index.get(tuple(fields[k] for k in FUNCTIONAL_FIELDS))
             if entries:
-                return entries[0]
+                return entries[0] if shape is None or len(entries) == 1 else tile_choice.choose(entries, *shape)
         if self.jit_cache is not None:
             return self._jit_entry(request, runnable)
         wanted = {**request, "arch": next(a for a in runnable if a in built_archs)}

@@ -63,7 +63,7 @@ def kernel_entry(d: VariantDescriptor, **overrides) -> KernelEntry:
         hash=d.hash, name=d.name, symbol=d.symbol, arch=d.arch, descriptor=d.as_dict(), cubin=f"{d.name}.cubin",
         sha256=hashlib.sha256(image).hexdigest(), cubin_bytes=len(image), threads=32 * d.warps, smem_bytes=smem,
         params_layout=params_layout("fwd").digest, registers=128, spill_bytes=0, compile_seconds=1.5,
-        spec="specs/portable.yaml", nvrtc_version="13.0", cutlass_version="4.2.0.0", generator_version="0.1.0",
+        spec="specs/portable.yaml", relative_speed=1.0, nvrtc_version="13.0", cutlass_version="4.2.0.0", generator_version="0.1.0",
     )
     return KernelEntry(**{**fields, **overrides})
 
@@ -110,6 +110,22 @@ def test_find_prefers_a_specific_minor_over_its_major(tmp_path):
     assert registry.find(request(), (8, 6)).arch == "sm_86"
     assert registry.find(request(), (8, 9)).arch == "sm_86"
     assert registry.find(request(), (8, 0)).arch == "sm_80"
+
+
+@pytest.mark.parametrize("causal, shape, tile_n", [
+    ("none", None, 160),           # no shape: the default (first) tuning
+    ("none", (1024, 1024), 128),   # 160-key tiles would compute 1120 keys per row
+    ("none", (8192, 8192), 160),   # 8320 keys per row at 160 beat 8192 at 128 at 0.97 the speed
+    ("top_left", (8192, 8192), 160),
+])
+def test_find_chooses_among_tunings_by_shape(tmp_path, causal, shape, tile_n):
+    default = descriptor(causal=causal, tile_n=160)
+    other = descriptor(causal=causal, tile_n=128)
+    directory = tmp_path / "kernels"
+    # The manifest's order is its compile units', not the tuning table's: the first tuning still leads.
+    write_manifest(directory, [kernel_entry(other, relative_speed=0.97), kernel_entry(default)])
+    registry = KernelRegistry(directory, driver=FakeDriver())
+    assert registry.find(request(causal=causal), (9, 0), shape=shape).variant.tile_n == tile_n
 
 
 def test_find_matches_every_functional_field(tmp_path):
@@ -294,12 +310,12 @@ def test_manifest_missing_through_the_registry(tmp_path):
 
 
 def test_manifest_bad_json(tmp_path):
-    (tmp_path / MANIFEST_NAME).write_text('{"format": 1, "kernels": [')
+    (tmp_path / MANIFEST_NAME).write_text('{"format": 2, "kernels": [')
     with pytest.raises(ManifestError, match="not valid JSON"):
         Manifest.load(tmp_path)
 
 
-@pytest.mark.parametrize("fmt", [2, 0, None, "1"])
+@pytest.mark.parametrize("fmt", [1, 3, 0, None, "2"])
 def test_manifest_wrong_format(tmp_path, fmt):
     raw = manifest_json(tmp_path)
     raw["format"] = fmt

@@ -84,19 +84,20 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_272_unique_variants():
+def test_default_specs_expand_to_284_unique_variants():
     variants = load_variants(REPO / "specs")
     # portable: fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128) + 30 (sm_90a, bias) + 18 (sm_80,
     # bias), bwd 60 + 30 (deterministic, bias), bwd_pre and bwd_post 10 each, bwd_dq 30; hopper: fwd 18
-    # + 18 (bias)
-    assert len(variants) == 272
-    assert len({v.descriptor.hash for v in variants}) == 272
-    assert len({v.descriptor.name for v in variants}) == 272
+    # + 12 (second tunings of d 64 and 128) + 18 (bias)
+    assert len(variants) == 284
+    assert len({v.descriptor.hash for v in variants}) == 284
+    assert len({v.descriptor.name for v in variants}) == 284
+    assert sum(v.relative_speed != 1 for v in variants) == 12
     assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
     assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
         (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     kinds = [v.descriptor.kernel for v in variants]
-    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [132, 90, 10, 10, 30]
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [144, 90, 10, 10, 30]
     assert sum(v.descriptor.bias == "additive" for v in variants) == 96
     assert {v.spec_file for v in variants} == {SPEC, "specs/hopper.yaml"}
     assert all(v.spec_file == "specs/hopper.yaml" for v in variants if v.descriptor.family == "hopper")
@@ -356,3 +357,28 @@ def test_bwd_dq_must_repeat_the_bwd_tiles(tmp_path):
     assert_reported(error, TUNING, 15, "bwd_dq.sm_90a.128.tile_n", "64 must equal bwd.sm_90a.128.tile_n = 128")
     fixed = tuning.replace("128: {tile_m: 64, tile_n: 64, warps: 4", "128: {tile_m: 64, tile_n: 128, warps: 4")
     assert {d.kernel for d in expand(tmp_path, spec, fixed)} == {"bwd", "bwd_dq"}
+
+
+def test_a_tuning_row_may_list_several_tunings(tmp_path):
+    tuning = GOOD_TUNING.replace("128: {tile_m: 128, tile_n: 64, warps: 4, stages: 2}",
+                                 "128:\n      - {tile_m: 128, tile_n: 64, warps: 4, stages: 2}\n"
+                                 "      - {tile_m: 64, tile_n: 64, warps: 4, stages: 2, relative_speed: 0.9}")
+    variants = load_variants(write_specs(tmp_path, GOOD_SPEC, tuning))
+    sm90_128 = [v for v in variants if v.descriptor.arch == "sm_90a" and v.descriptor.d_qk == 128]
+    assert [(v.descriptor.tile_m, v.relative_speed) for v in sm90_128] == [(128, 1.0), (64, 0.9)]
+    assert len({v.descriptor.hash for v in sm90_128}) == 2
+    assert all(v.relative_speed == 1.0 for v in variants if v not in sm90_128)
+
+
+@pytest.mark.parametrize("rows, key, message", [
+    ("[{tile_m: 128, tile_n: 64, warps: 4, stages: 2, relative_speed: 0.9}]", "fwd.sm_90a.128.relative_speed",
+     "the first tuning is the reference"),
+    ("[{tile_m: 128, tile_n: 64, warps: 4, stages: 2}, {tile_m: 64, tile_n: 64, warps: 4, stages: 2, "
+     "relative_speed: fast}]", "fwd.sm_90a.128.[1].relative_speed", "expected a number"),
+    ("[{tile_m: 128, tile_n: 64, warps: 4, stages: 2}, {tile_m: 128, tile_n: 64, warps: 4, stages: 2, "
+     "relative_speed: 0.9}]", "fwd.sm_90a.128.[1]", "repeats an earlier tuning"),
+])
+def test_listed_tunings_are_checked(tmp_path, rows, key, message):
+    tuning = GOOD_TUNING.replace("128: {tile_m: 128, tile_n: 64, warps: 4, stages: 2}", f"128: {rows}")
+    error = spec_error(tmp_path, GOOD_SPEC, tuning)
+    issue_for(error, key, message)
