@@ -153,3 +153,23 @@ def test_each_tuning_of_a_variant(monkeypatch, d, causal, sq, sk, tuning):
     _check_forward(q, k, v, causal, None, _repro("test_each_tuning_of_a_variant", seed=seed, d=d, causal=causal,
                                                  sq=sq, sk=sk, tuning=tuning), backend="hopper")
     assert chosen, "the forward did not choose among the tunings"
+
+
+@pytest.mark.parametrize("causal", [None, "top_left"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_row_maxima_growing_across_key_tiles(d, causal):
+    """Even query rows see scores rising by about 40 (log2 units) from the last key to the first
+    (key tiles run last to first, so the running maximum grows at every tile, by less or more
+    than the lazy rescaling's slack of 8); odd rows see flat scores: O's rescaling (eager at d 64,
+    lazy above, hopper/traits.hpp) in warps whose rows disagree."""
+    seed = seed_of("hopper-growing", d, causal)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    s = 1100
+    q = torch.zeros(1, 2, s, d, device="cuda")
+    q[:, :, ::2, 0] = 1.0
+    k = 0.1 * torch.randn(1, 2, s, d, device="cuda", generator=gen)
+    k[..., 0] = torch.linspace(40, 0, s, device="cuda") * d**0.5 / 1.4426950408889634
+    v = torch.randn(1, 2, s, d, device="cuda", generator=gen)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    _check_forward(q, k, v, causal, None, _repro("test_row_maxima_growing_across_key_tiles", seed=seed, d=d,
+                                                 causal=causal), backend="hopper")

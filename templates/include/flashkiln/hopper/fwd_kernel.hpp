@@ -79,7 +79,7 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
       }
       const WorkTile w = sched.decode(tile);
       const int n_blocks = key_tiles<T>(p, w.m_block);
-      portable::OnlineSoftmax<kRows> softmax;
+      portable::OnlineSoftmax<kRows, T::kLazyRescale> softmax;
       clear(acc_o);
       consume_tile<T>(p, ss, thread, w.m_block, n_blocks, kv, turns, acc_o, softmax);
       store_tile<T>(p, ss, thread, w, acc_o, softmax);

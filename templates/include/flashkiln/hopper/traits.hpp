@@ -41,6 +41,10 @@ struct FwdTraits {
   // (d = 64) measured 0-2% slower with turns than without.
   static constexpr bool kPingPong = kConsumerWarpgroups == 2;
   static constexpr int kTurns = kPingPong ? kConsumerWarpgroups : 1;  // 1: no turns
+  // The online softmax rescales O only when a row maximum outgrows its reference by 2^8
+  // (portable/online_softmax.hpp): +1-2.5% at d_v 128 and 256; at d_v 64, with 32 accumulators
+  // of O per thread, the warp vote costs more than the multiplications it skips (-4-7%).
+  static constexpr bool kLazyRescale = kDimV >= 128;
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");

@@ -11,10 +11,13 @@ namespace flashkiln::portable {
 
 using namespace cute;
 
-template <int kRows>
+template <int kRows, bool kLazyRescale = false>
 struct OnlineSoftmax {
-  // Running row maximum of the raw scores (before scaling) and this thread's partial row sum of
-  // exp(scale * (s - max)); the quad's partial sums are combined once, at the end.
+  static constexpr float kLazySlack = 8.f;
+
+  // Per row: the reference maximum of the raw scores (before scaling; the running maximum, or
+  // with kLazyRescale up to kLazySlack behind it) and this thread's partial sum of
+  // exp(scale * (s - reference)); the quad's partial sums are combined once, at the end.
   float row_max[kRows];
   float row_sum[kRows];
 
@@ -28,9 +31,17 @@ struct OnlineSoftmax {
 
   // Turn the scores `s` (rows, cols) of one key tile into unnormalized probabilities in place
   // and rescale the running output `o` (rows, d_v) to the new row maxima.
+  //
+  // kLazyRescale: row_max is a reference point that may lag the running maximum by up to
+  // kLazySlack (log2 units of the scaled scores, so probabilities stay below 2^kLazySlack). o and
+  // the sums are rescaled only when a row of the warp outgrows its reference by more, which after
+  // the first key tiles is rare: the multiplications over o are skipped otherwise.
   template <bool kFirstTile, class TensorS, class TensorO>
   __device__ __forceinline__ void update(TensorS&& s, TensorO&& o, float scale_log2) {
     static_assert(decltype(size<0>(s))::value == kRows);
+    constexpr bool kLazy = kLazyRescale && !kFirstTile;
+    float new_max[kRows];
+    bool outgrown = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float tile_max = row_max[r];
@@ -38,24 +49,36 @@ struct OnlineSoftmax {
       for (int c = 0; c < size<1>(s); ++c) {
         tile_max = fmaxf(tile_max, s(r, c));
       }
-      const float new_max = quad_allreduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
-      // A row with no visible key so far keeps max -inf; subtracting 0 instead keeps exp2 at 0.
-      const float new_max_scaled = new_max == -kInfinity ? 0.f : new_max * scale_log2;
-      if constexpr (!kFirstTile) {
-        // Nothing accumulated yet when the old max is -inf: the factor only has to stay finite.
-        const float rescale =
-            row_max[r] == -kInfinity ? 0.f : exp2f(row_max[r] * scale_log2 - new_max_scaled);
-        row_sum[r] *= rescale;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o); ++c) {
-          o(r, c) *= rescale;
-        }
+      new_max[r] = quad_allreduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
+      if constexpr (kLazy) {
+        outgrown |= new_max[r] * scale_log2 > row_max[r] * scale_log2 + kLazySlack;  // or row_max is -inf
       }
-      row_max[r] = new_max;
+    }
+    if constexpr (kLazy) {
+      outgrown = __any_sync(0xffffffff, outgrown);
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      if (!kLazy || outgrown) {
+        if constexpr (!kFirstTile) {
+          // Nothing accumulated yet when the old max is -inf: the factor only has to stay finite.
+          const float new_max_scaled = new_max[r] == -kInfinity ? 0.f : new_max[r] * scale_log2;
+          const float rescale =
+              row_max[r] == -kInfinity ? 0.f : exp2f(row_max[r] * scale_log2 - new_max_scaled);
+          row_sum[r] *= rescale;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o); ++c) {
+            o(r, c) *= rescale;
+          }
+        }
+        row_max[r] = new_max[r];
+      }
+      // A row with no visible key so far keeps max -inf; subtracting 0 instead keeps exp2 at 0.
+      const float max_scaled = row_max[r] == -kInfinity ? 0.f : row_max[r] * scale_log2;
       float sum = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        const float p = exp2f(fmaf(s(r, c), scale_log2, -new_max_scaled));
+        const float p = exp2f(fmaf(s(r, c), scale_log2, -max_scaled));
         s(r, c) = p;
         sum += p;
       }
