@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .manifest import KernelEntry
-from .registry import KernelRegistry
+
+if TYPE_CHECKING:  # the registry chooses tiles with tile_choice, which uses ceil_div from here
+    from .registry import KernelRegistry
 
 
 @dataclass(frozen=True)

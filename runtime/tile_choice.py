@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import functools
 
+from .launch import ceil_div
 from .manifest import KernelEntry
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.lru_cache(maxsize=4096)
 def computed_pairs(seqlen_q: int, seqlen_k: int, causal: str, tile_m: int, tile_n: int) -> int:
     """(query, key) pairs a forward computes in whole tiles; the kernels' key_tiles rule."""
-    n_blocks = _ceil_div(seqlen_k, tile_n)
+    n_blocks = ceil_div(seqlen_k, tile_n)
     if causal == "none":
-        return _ceil_div(seqlen_q, tile_m) * tile_m * n_blocks * tile_n
+        return ceil_div(seqlen_q, tile_m) * tile_m * n_blocks * tile_n
     offset = seqlen_k - seqlen_q if causal == "bottom_right" else 0
     pairs = 0
-    for m_block in range(_ceil_div(seqlen_q, tile_m)):
+    for m_block in range(ceil_div(seqlen_q, tile_m)):
         last_visible = min(seqlen_q, (m_block + 1) * tile_m) - 1 + offset
         if last_visible >= 0:
             pairs += tile_m * min(n_blocks, last_visible // tile_n + 1) * tile_n
