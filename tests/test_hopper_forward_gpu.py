@@ -133,26 +133,31 @@ def test_causal_launch_keeps_its_tile_counter():
     assert plain.params.tile_counter == 0 and plain.keep_alive == ()
 
 
-@pytest.mark.parametrize("tuning", [0, 1], ids=["first-tuning", "second-tuning"])
 @pytest.mark.parametrize("sq,sk", [(1023, 1023), (129, 4224), (4224, 129)])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", [64, 128])
-def test_each_tuning_of_a_variant(monkeypatch, d, causal, sq, sk, tuning):
-    """Variants with two tunings (specs/tuning/hopper.yaml): each one, whichever the shape would pick."""
-    tile, sizes = {64: ("tile_m", (192, 128)), 128: ("tile_n", (160, 128))}[d]
-    chosen = []
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_each_tuning_of_a_variant(monkeypatch, d, causal, sq, sk):
+    """Each tuning of a variant that has several (specs/tuning/hopper.yaml), forced in turn,
+    whichever the shape would pick."""
+    forced = {"index": 0, "count": 0, "names": set()}
 
     def choose(entries, seqlen_q, seqlen_k):
-        assert sorted(e.descriptor[tile] for e in entries) == sorted(sizes), [e.name for e in entries]
-        chosen.append(next(e for e in entries if e.descriptor[tile] == sizes[tuning]))
-        return chosen[-1]
+        forced["count"] = len(entries)
+        forced["names"].add(entries[forced["index"]].name)
+        return entries[forced["index"]]
 
     monkeypatch.setattr(flashkiln.tile_choice, "choose", choose)
     seed = seed_of("hopper-tunings", d, causal, sq, sk)
     q, k, v = _inputs(seed, 2, 6, 2, sq, sk, d, torch.bfloat16)
-    _check_forward(q, k, v, causal, None, _repro("test_each_tuning_of_a_variant", seed=seed, d=d, causal=causal,
-                                                 sq=sq, sk=sk, tuning=tuning), backend="hopper")
-    assert chosen, "the forward did not choose among the tunings"
+    while True:
+        _check_forward(q, k, v, causal, None, _repro("test_each_tuning_of_a_variant", seed=seed, d=d, causal=causal,
+                                                     sq=sq, sk=sk, tuning=forced["index"]), backend="hopper")
+        forced["index"] += 1
+        if forced["index"] >= forced["count"]:
+            break
+    if forced["count"] == 0:
+        pytest.skip(f"d {d}: one tuning in this build, covered by the other tests")
+    assert len(forced["names"]) == forced["count"], forced
 
 
 @pytest.mark.parametrize("causal", [None, "top_left"])

@@ -115,9 +115,10 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 }
 
 // The consumer warpgroups' main loop over one work tile's key tiles: returns with acc_o holding
-// the unnormalized output and `softmax` the row statistics. O += P V of one key tile and
-// S = Q K^T of the next are issued together, in one turn of the ping-pong where there are turns:
-// the softmax in between then runs while the other warpgroup's GEMMs keep the tensor cores busy.
+// the unnormalized output and `softmax` the row statistics. S = Q K^T of the next key tile and
+// O += P V of this one are issued together, in one turn of the ping-pong where there are turns;
+// the next tile's softmax then runs while this warpgroup's P V and the other warpgroup's GEMMs
+// keep the tensor cores busy.
 template <class T, class AccO, class Softmax>
 __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
                                              int m_block, int n_blocks, PipelineState<T::kStages>& kv,
@@ -164,43 +165,65 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
     }
   };
 
+  // Scores of key tile n_block to probabilities; o is rescaled by the caller (rescale_output)
+  // where `exponentiate` asks for it, once no GEMM accumulates into it.
+  float rescale[decltype(size<0>(rowcol(acc_s)))::value];
+  auto to_probabilities = [&](auto first, int n_block) {
+    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(m_block * T::kBlockM, n_block * T::kBlockN,
+                                                                p.seqlen_k, causal_offset)) {
+      portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * T::kBlockM, n_block * T::kBlockN,
+                                        p.seqlen_k, causal_offset);
+    }
+    return softmax.template exponentiate<decltype(first)::value>(rowcol(acc_s), p.scale_log2, rescale);
+  };
+
   Barrier::wait(&ss.k_full[kv.stage], kv.phase);
   turns.wait();
   wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
   turns.pass();
   warpgroup_wait<0>();
   s_done(n_blocks - 1);
-  for (int step = 0, n_block = n_blocks - 1; n_block >= 0; ++step, --n_block) {
-    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(m_block * T::kBlockM, n_block * T::kBlockN,
-                                                                p.seqlen_k, causal_offset)) {
-      portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * T::kBlockM, n_block * T::kBlockN,
-                                        p.seqlen_k, causal_offset);
+  bool must_rescale = to_probabilities(cute::true_type{}, n_blocks - 1);
+  // P of the key tile whose P V is issued next: it stays unchanged until that GEMM has completed,
+  // while the softmax of the following key tile runs beside it.
+  Tensor p_regs = make_fragment_like<typename T::Element>(acc_s);
+  Tensor tOrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
+  // Each step starts with acc_s holding the probabilities of key tile n_block and O += P V of the
+  // tile before possibly in flight. It waits for that GEMM, turns acc_s into P, issues S of the
+  // next key tile and P V of this one, and runs the new S's softmax while they run.
+  int v_stage = -1;  // the V stage of the P V GEMM in flight (-1: none)
+  for (int n_block = n_blocks - 1;; --n_block) {
+    // The wait heads the step rather than ending the previous one: ptxas schedules a wgmma wait
+    // early in its basic block, which would put it before the softmax (docs/perf.md, v9).
+    warpgroup_wait<0>();
+    if (v_stage >= 0) {
+      Barrier::arrive(&ss.v_empty[v_stage]);
     }
-    if (step == 0) {
-      softmax.template update<true>(rowcol(acc_s), rowcol(acc_o), p.scale_log2);
-    } else {
-      softmax.template update<false>(rowcol(acc_s), rowcol(acc_o), p.scale_log2);
+    if (must_rescale) {
+      softmax.rescale_output(rowcol(acc_o), rescale);
     }
-    Tensor p_regs = convert_fragment<typename T::Element>(acc_s);
-    Tensor tOrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
-    const int v_stage = kv.stage;
+    p_regs = convert_fragment<typename T::Element>(acc_s);
+    v_stage = kv.stage;
     Barrier::wait(&ss.v_full[v_stage], kv.phase);
     kv.advance();
-    if (n_block > 0) {
-      Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+    if (n_block == 0) {
+      break;
     }
+    // S of the next key tile first, so that waiting for all but one GEMM waits for S alone.
+    Barrier::wait(&ss.k_full[kv.stage], kv.phase);
     turns.wait();
+    wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
     wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
-    if (n_block > 0) {
-      wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
-    }
     turns.pass();
-    warpgroup_wait<0>();
-    Barrier::arrive(&ss.v_empty[v_stage]);
-    if (n_block > 0) {
-      s_done(n_block - 1);
-    }
+    warpgroup_wait<1>();
+    s_done(n_block - 1);
+    must_rescale = to_probabilities(cute::false_type{}, n_block - 1);
   }
+  turns.wait();
+  wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
+  turns.pass();
+  warpgroup_wait<0>();
+  Barrier::arrive(&ss.v_empty[v_stage]);
 }
 
 }  // namespace flashkiln::hopper

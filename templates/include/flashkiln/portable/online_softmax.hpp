@@ -31,13 +31,26 @@ struct OnlineSoftmax {
 
   // Turn the scores `s` (rows, cols) of one key tile into unnormalized probabilities in place
   // and rescale the running output `o` (rows, d_v) to the new row maxima.
+  template <bool kFirstTile, class TensorS, class TensorO>
+  __device__ __forceinline__ void update(TensorS&& s, TensorO&& o, float scale_log2) {
+    float rescale[kRows];
+    if (exponentiate<kFirstTile>(s, scale_log2, rescale)) {
+      rescale_output(o, rescale);
+    }
+  }
+
+  // The first half of `update`, for kernels whose O is still being accumulated into (an
+  // asynchronous P V GEMM): the scores become probabilities and the row sums move to the new
+  // reference maxima. Returns whether o must then be multiplied by `rescale` (rescale_output)
+  // before it accumulates this tile; a compile-time false on the first tile, true without
+  // kLazyRescale.
   //
   // kLazyRescale: row_max is a reference point that may lag the running maximum by up to
   // kLazySlack (log2 units of the scaled scores, so probabilities stay below 2^kLazySlack). o and
   // the sums are rescaled only when a row of the warp outgrows its reference by more, which after
   // the first key tiles is rare: the multiplications over o are skipped otherwise.
-  template <bool kFirstTile, class TensorS, class TensorO>
-  __device__ __forceinline__ void update(TensorS&& s, TensorO&& o, float scale_log2) {
+  template <bool kFirstTile, class TensorS>
+  __device__ __forceinline__ bool exponentiate(TensorS&& s, float scale_log2, float (&rescale)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
     constexpr bool kLazy = kLazyRescale && !kFirstTile;
     float new_max[kRows];
@@ -59,17 +72,13 @@ struct OnlineSoftmax {
     }
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
+      rescale[r] = 1.f;
       if (!kLazy || outgrown) {
         if constexpr (!kFirstTile) {
           // Nothing accumulated yet when the old max is -inf: the factor only has to stay finite.
           const float new_max_scaled = new_max[r] == -kInfinity ? 0.f : new_max[r] * scale_log2;
-          const float rescale =
-              row_max[r] == -kInfinity ? 0.f : exp2f(row_max[r] * scale_log2 - new_max_scaled);
-          row_sum[r] *= rescale;
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(o); ++c) {
-            o(r, c) *= rescale;
-          }
+          rescale[r] = row_max[r] == -kInfinity ? 0.f : exp2f(row_max[r] * scale_log2 - new_max_scaled);
+          row_sum[r] *= rescale[r];
         }
         row_max[r] = new_max[r];
       }
@@ -83,6 +92,25 @@ struct OnlineSoftmax {
         sum += p;
       }
       row_sum[r] += sum;
+    }
+    if constexpr (kFirstTile) {
+      return false;
+    } else if constexpr (kLazy) {
+      return outgrown;
+    } else {
+      return true;
+    }
+  }
+
+  // The second half of `update`: o (rows, d_v) times the factors `exponentiate` returned.
+  template <class TensorO>
+  __device__ __forceinline__ void rescale_output(TensorO&& o, float const (&rescale)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) {
+        o(r, c) *= rescale[r];
+      }
     }
   }
 
