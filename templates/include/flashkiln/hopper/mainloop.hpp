@@ -51,13 +51,23 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     const bool valid = sched.valid(tile);
     const WorkTile w = valid ? sched.decode(tile) : WorkTile{0, 0, 0};
     const int n_blocks = valid ? key_tiles<T>(p, w.m_block) : 0;
-    // Name the tile to the consumers (the end, or no keys: O = 0) and load its Q, once they have
-    // released Q's buffer. The q_full arrival releases the store of the tile index.
-    auto publish = [&] {
-      if (step > 0) {
-        Barrier::wait(&ss.q_empty, q_empty_phase);
-        q_empty_phase ^= 1;
+    // Whether the consumers have released Q's buffer (and the tile index), waiting for it if
+    // `block`; the first tile finds it free.
+    auto q_free = [&](bool block) {
+      if (step == 0) {
+        return true;
       }
+      if (block) {
+        Barrier::wait(&ss.q_empty, q_empty_phase);
+      } else if (!Barrier::try_wait(&ss.q_empty, q_empty_phase)) {
+        return false;
+      }
+      q_empty_phase ^= 1;
+      return true;
+    };
+    // Name the tile to the consumers (the end, or no keys: O = 0) and load its Q, into a free
+    // Q buffer. The q_full arrival releases the store of the tile index.
+    auto publish = [&] {
       *reinterpret_cast<volatile int*>(&ss.tile) = tile;
       if (n_blocks == 0) {
         Barrier::arrive(&ss.q_full);
@@ -71,6 +81,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       }
     };
     if (n_blocks == 0) {
+      q_free(true);
       publish();
       if (!valid) {
         return;
@@ -98,16 +109,35 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
                    w.head * p.bias_head_step, w.batch * p.bias_batch_step);
         }
       }
-      Barrier::wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
-      TxBarrier::arrive_and_expect_tx(&ss.v_full[kv.stage], T::kBytesV);
-      CUTE_UNROLL
-      for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
-        tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
-                 c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
-      }
+      auto load_v = [&] {
+        TxBarrier::arrive_and_expect_tx(&ss.v_full[kv.stage], T::kBytesV);
+        CUTE_UNROLL
+        for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
+          tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
+                   c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
+        }
+      };
       if (n_block == n_blocks - 1) {
-        // The first K/V tiles load while the consumers still finish the previous work tile.
-        publish();
+        // The tile's first K (and bias) tiles load while the consumers still finish the previous
+        // work tile; then its Q and its first V, whichever buffer frees up first. Q's frees with
+        // the previous tile's last S (after its epilogue where O leaves through it), the V stage
+        // kStages - 2 key tiles before that tile's end; the tile's first S needs Q, its first
+        // P V comes a softmax later. Q after V cost up to 5% at S <= 2k (docs/perf.md, v9).
+        bool q_pending = true;
+        bool v_pending = true;
+        while (q_pending || v_pending) {
+          if (q_pending && q_free(false)) {
+            publish();
+            q_pending = false;
+          }
+          if (v_pending && Barrier::try_wait(&ss.v_empty[kv.stage], kv.phase ^ 1)) {
+            load_v();
+            v_pending = false;
+          }
+        }
+      } else {
+        Barrier::wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
+        load_v();
       }
       kv.advance();
     }
