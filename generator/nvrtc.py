@@ -13,6 +13,9 @@ class CompileError(RuntimeError):
         self.name, self.log = name, log
         super().__init__(f"NVRTC failed to compile {name}:\n{log}")
 
+    def __reduce__(self):  # rebuilt from both fields when a worker process reports it (generate -j N)
+        return CompileError, (self.name, self.log)
+
 
 @dataclass(frozen=True)
 class Resources:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,10 @@ def test_params_layout_mismatch_fails_the_compile(generated):
         compile_cubin(tampered, variant.descriptor.name, toolchain().options(variant.descriptor.arch))
     assert "params.k: size or offset differs" in str(info.value)
     assert variant.descriptor.name in str(info.value)
+
+
+def test_compile_error_survives_a_worker_process():
+    """generate -j N reports a worker's CompileError through pickle: name and log must survive."""
+    error = pickle.loads(pickle.dumps(CompileError("fwd_x", "error: bad")))
+    assert (error.name, error.log) == ("fwd_x", "error: bad")
+    assert "NVRTC failed to compile fwd_x" in str(error)
