@@ -15,16 +15,26 @@ from .launch import ceil_div
 from .manifest import KernelEntry
 
 
+# Under a causal mask the hopper family starts its grid of query tiles above row 0 by the
+# padding rounded down to these rows (a consumer warpgroup's; hopper/mainloop.hpp, make_scheduler),
+# so that the partial tile is the first, shortest one.
+HOPPER_CAUSAL_SHIFT_ROWS = 64
+
+
 @functools.lru_cache(maxsize=4096)
-def computed_pairs(seqlen_q: int, seqlen_k: int, causal: str, tile_m: int, tile_n: int) -> int:
-    """(query, key) pairs a forward computes in whole tiles; the kernels' key_tiles rule."""
+def computed_pairs(seqlen_q: int, seqlen_k: int, causal: str, tile_m: int, tile_n: int, shift_rows: int = 0) -> int:
+    """(query, key) pairs a forward computes in whole tiles; the kernels' key_tiles rule. With
+    shift_rows, a causal grid of query tiles starts above row 0 by the padding rounded down to a
+    multiple of shift_rows."""
     n_blocks = ceil_div(seqlen_k, tile_n)
+    m_blocks = ceil_div(seqlen_q, tile_m)
     if causal == "none":
-        return ceil_div(seqlen_q, tile_m) * tile_m * n_blocks * tile_n
+        return m_blocks * tile_m * n_blocks * tile_n
     offset = seqlen_k - seqlen_q if causal == "bottom_right" else 0
+    row_shift = (m_blocks * tile_m - seqlen_q) // shift_rows * shift_rows if shift_rows else 0
     pairs = 0
-    for m_block in range(ceil_div(seqlen_q, tile_m)):
-        last_visible = min(seqlen_q, (m_block + 1) * tile_m) - 1 + offset
+    for m_block in range(m_blocks):
+        last_visible = min(seqlen_q, (m_block + 1) * tile_m - row_shift) - 1 + offset
         if last_visible >= 0:
             pairs += tile_m * min(n_blocks, last_visible // tile_n + 1) * tile_n
     return pairs
@@ -34,5 +44,7 @@ def choose(entries: list[KernelEntry], seqlen_q: int, seqlen_k: int) -> KernelEn
     """The entry (tunings of one variant, the default first) with the least estimated time."""
     def cost(entry: KernelEntry) -> float:
         d = entry.descriptor
-        return computed_pairs(seqlen_q, seqlen_k, d["causal"], d["tile_m"], d["tile_n"]) / entry.relative_speed
+        shift_rows = HOPPER_CAUSAL_SHIFT_ROWS if d["family"] == "hopper" else 0
+        pairs = computed_pairs(seqlen_q, seqlen_k, d["causal"], d["tile_m"], d["tile_n"], shift_rows)
+        return pairs / entry.relative_speed
     return min(entries, key=cost)  # the first of equals: the default

@@ -46,11 +46,11 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   // Generic-proxy writes that the TMA engine reads next: fence, then gather the warpgroup.
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(1 + warpgroup, 128);
-  if (leader) {
+  if (leader && w.row0 + warpgroup * 64 >= 0) {  // rows above row 0 (make_scheduler) are padding
     CUTE_UNROLL
     for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
       cute::SM90_TMA_STORE_4D::copy(&p.tma_o, o_buffer + c * T::kBlockM * T::kBoxCols + warpgroup * 64 * T::kBoxCols,
-                                    c * T::kBoxCols, w.m_block * T::kBlockM + warpgroup * 64, w.head, w.batch);
+                                    c * T::kBoxCols, w.row0 + warpgroup * 64, w.head, w.batch);
     }
     cute::tma_store_arrive();
     if (!T::kOwnO) {
@@ -70,8 +70,8 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
     float* lse_rows = reinterpret_cast<float*>(p.lse) + (int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const int row = w.m_block * T::kBlockM + get<0>(tOcO(r, 0));
-      if (row < p.seqlen_q) {
+      const int row = w.row0 + get<0>(tOcO(r, 0));
+      if (row >= 0 && row < p.seqlen_q) {
         lse_rows[row] = lse[r];
       }
     }

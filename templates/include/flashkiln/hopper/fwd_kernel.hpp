@@ -59,7 +59,7 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     const int thread = threadIdx.x - 128;
-    TileScheduler<T::kCausal != Causal::none> sched(p.num_m_blocks, p.heads_q, p.batch, p.tile_counter);
+    const auto sched = make_scheduler<T>(p);
     typename T::TiledMmaO mma_o;
     Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<T::kBlockM>, Int<T::kDimV>>{});
     constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
@@ -78,10 +78,10 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
         break;
       }
       const WorkTile w = sched.decode(tile);
-      const int n_blocks = key_tiles<T>(p, w.m_block);
+      const int n_blocks = key_tiles<T>(p, w.row0);
       portable::OnlineSoftmax<kRows, T::kLazyRescale> softmax;
       clear(acc_o);
-      consume_tile<T>(p, ss, thread, w.m_block, n_blocks, kv, turns, acc_o, softmax);
+      consume_tile<T>(p, ss, thread, w.row0, n_blocks, kv, turns, acc_o, softmax);
       store_tile<T>(p, ss, thread, w, acc_o, softmax);
     }
   }

@@ -20,13 +20,25 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-// Key tiles a query tile needs: all of them, or those up to its last visible key (0: none).
+// The work tiles. Under a causal mask the grid of query tiles starts above row 0 by the padding
+// rounded down to whole warpgroups (64 rows), so that a partial tile (seqlen_q not a multiple of
+// tile_m) comes first, where it sees the fewest keys, rather than last, where it sees them all.
+// A warpgroup's rows then lie either all above row 0 (its O stores are skipped) or start at or
+// below it: TMA stores never start at a negative row.
 template <class T>
-__device__ __forceinline__ int key_tiles(HopperFwdParams const& p, int m_block) {
+__device__ __forceinline__ TileScheduler<T::kCausal != Causal::none> make_scheduler(HopperFwdParams const& p) {
+  const int row_shift = T::kCausal != Causal::none ? (p.num_m_blocks * T::kBlockM - p.seqlen_q) / 64 * 64 : 0;
+  return {p.num_m_blocks, p.heads_q, p.batch, p.tile_counter, T::kBlockM, row_shift};
+}
+
+// Key tiles a query tile (first row row0) needs: all of them, or those up to its last visible
+// key (0: none).
+template <class T>
+__device__ __forceinline__ int key_tiles(HopperFwdParams const& p, int row0) {
   int n_blocks = ceil_div(p.seqlen_k, T::kBlockN);
   if constexpr (T::kCausal != Causal::none) {
     const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
-    const int last_row = min(p.seqlen_q, (m_block + 1) * T::kBlockM) - 1;
+    const int last_row = min(p.seqlen_q, row0 + T::kBlockM) - 1;
     const int last_visible = last_row + causal_offset;
     n_blocks = last_visible < 0 ? 0 : min(n_blocks, last_visible / T::kBlockN + 1);
   }
@@ -36,7 +48,6 @@ __device__ __forceinline__ int key_tiles(HopperFwdParams const& p, int m_block) 
 // One thread of the producer warpgroup: every load of every work tile of this CTA.
 template <class T>
 __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::SharedStorage& ss) {
-  using Sched = TileScheduler<T::kCausal != Causal::none>;
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_q));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
@@ -44,13 +55,13 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_bias));
   }
   const int group = p.heads_q / p.heads_kv;
-  Sched sched(p.num_m_blocks, p.heads_q, p.batch, p.tile_counter);
+  const auto sched = make_scheduler<T>(p);
   PipelineState<T::kStages> kv;
   uint32_t q_empty_phase = 0;
   for (int tile = sched.first(), step = 0;; tile = sched.next(tile), ++step) {
     const bool valid = sched.valid(tile);
     const WorkTile w = valid ? sched.decode(tile) : WorkTile{0, 0, 0};
-    const int n_blocks = valid ? key_tiles<T>(p, w.m_block) : 0;
+    const int n_blocks = valid ? key_tiles<T>(p, w.row0) : 0;
     // Whether the consumers have released Q's buffer (and the tile index), waiting for it if
     // `block`; the first tile finds it free.
     auto q_free = [&](bool block) {
@@ -77,7 +88,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       CUTE_UNROLL
       for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
         tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * T::kBoxCols, c * T::kBoxCols,
-                 w.m_block * T::kBlockM, w.head, w.batch);
+                 w.row0, w.head, w.batch);
       }
     };
     if (n_blocks == 0) {
@@ -105,7 +116,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
         for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
           tma_load(&p.tma_bias, &ss.bias.full[kv.stage],
                    ss.bias.tiles + kv.stage * T::kElemsBias + c * T::kBlockM * T::kBoxCols,
-                   n_block * T::kBlockN + c * T::kBoxCols, w.m_block * T::kBlockM * p.bias_row_step,
+                   n_block * T::kBlockN + c * T::kBoxCols, w.row0 * p.bias_row_step,
                    w.head * p.bias_head_step, w.batch * p.bias_batch_step);
         }
       }
@@ -151,7 +162,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 // keep the tensor cores busy.
 template <class T, class AccO, class Softmax>
 __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
-                                             int m_block, int n_blocks, PipelineState<T::kStages>& kv,
+                                             int row0, int n_blocks, PipelineState<T::kStages>& kv,
                                              WarpgroupTurns<T::kTurns> const& turns, AccO& acc_o,
                                              Softmax& softmax) {
   using portable::convert_fragment;
@@ -199,9 +210,9 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
   // where `exponentiate` asks for it, once no GEMM accumulates into it.
   float rescale[decltype(size<0>(rowcol(acc_s)))::value];
   auto to_probabilities = [&](auto first, int n_block) {
-    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(m_block * T::kBlockM, n_block * T::kBlockN,
+    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(row0, n_block * T::kBlockN,
                                                                 p.seqlen_k, causal_offset)) {
-      portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * T::kBlockM, n_block * T::kBlockN,
+      portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, row0, n_block * T::kBlockN,
                                         p.seqlen_k, causal_offset);
     }
     return softmax.template exponentiate<decltype(first)::value>(rowcol(acc_s), p.scale_log2, rescale);

@@ -14,17 +14,20 @@
 namespace flashkiln::hopper {
 
 struct WorkTile {
-  int m_block, head, batch;
+  int row0;  // the tile's first query row: negative where the grid starts above the sequence
+  int head, batch;
 };
 
 template <bool kLongestFirst>
 struct TileScheduler {
   int num_m_blocks, heads, total;
   int* counter;  // or nullptr
+  int block_m, row_shift;  // query tile rows; rows the grid starts above the sequence
 
-  __device__ __forceinline__ TileScheduler(int num_m_blocks_, int heads_, int batch, uint64_t counter_)
+  __device__ __forceinline__ TileScheduler(int num_m_blocks_, int heads_, int batch, uint64_t counter_, int block_m_,
+                                           int row_shift_)
       : num_m_blocks(num_m_blocks_), heads(heads_), total(num_m_blocks_ * heads_ * batch),
-        counter(reinterpret_cast<int*>(counter_)) {}
+        counter(reinterpret_cast<int*>(counter_)), block_m(block_m_), row_shift(row_shift_) {}
 
   __device__ __forceinline__ int first() const { return int(blockIdx.x); }
   __device__ __forceinline__ int next(int tile) const {
@@ -35,7 +38,8 @@ struct TileScheduler {
   __device__ __forceinline__ WorkTile decode(int tile) const {
     const int m = tile % num_m_blocks;
     const int bh = tile / num_m_blocks;
-    return {kLongestFirst ? num_m_blocks - 1 - m : m, bh % heads, bh / heads};
+    const int m_block = kLongestFirst ? num_m_blocks - 1 - m : m;
+    return {m_block * block_m - row_shift, bh % heads, bh / heads};
   }
 };
 
