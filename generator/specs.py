@@ -26,7 +26,7 @@ Each group expands to its cross product, minus the excludes. The tuning table gi
 
 A row may also be a list of tunings: each becomes a kernel of its own, and the runtime picks one
 per call by shape (flashkiln.tile_choice). Every tuning after the first gives its measured
-`relative_speed` against the first on equal work:
+`relative_speed` against the first on equal work (other than 1, which marks the first):
 
         64:
           - {tile_m: 192, tile_n: 128, warps: 16, stages: 2}
@@ -223,6 +223,10 @@ def _relative_speed(row: LocatedDict, first: bool, context: str, out: _Collector
         return 1.0
     if first and speed != 1:
         out.add(row.where, f"{context}relative_speed", "the first tuning is the reference: its speed is 1")
+    if not first and speed == 1:  # also when left out
+        out.add(row.where, f"{context}relative_speed",
+                "a later tuning needs its measured speed against the first, other than 1 (the runtime "
+                "tells a variant's first tuning by its speed of 1)")
     return float(speed)
 
 

@@ -97,7 +97,8 @@ class KernelRegistry:
         index: dict[tuple, list[KernelEntry]] = {}
         for entry in self.manifest.kernels:
             index.setdefault(entry.variant.functional_key, []).append(entry)
-        # A variant's first tuning (the reference of the others' relative speeds) leads its list.
+        # A variant's first tuning (the reference of the others' relative speeds) leads its list:
+        # the only one with speed 1, as the spec loader checks.
         return {key: sorted(entries, key=lambda e: e.relative_speed != 1) for key, entries in index.items()}
 
     @functools.cached_property

@@ -377,6 +377,8 @@ def test_a_tuning_row_may_list_several_tunings(tmp_path):
      "relative_speed: fast}]", "fwd.sm_90a.128.[1].relative_speed", "expected a number"),
     ("[{tile_m: 128, tile_n: 64, warps: 4, stages: 2}, {tile_m: 128, tile_n: 64, warps: 4, stages: 2, "
      "relative_speed: 0.9}]", "fwd.sm_90a.128.[1]", "repeats an earlier tuning"),
+    ("[{tile_m: 128, tile_n: 64, warps: 4, stages: 2}, {tile_m: 64, tile_n: 64, warps: 4, stages: 2}]",
+     "fwd.sm_90a.128.[1].relative_speed", "a later tuning needs its measured speed"),
 ])
 def test_listed_tunings_are_checked(tmp_path, rows, key, message):
     tuning = GOOD_TUNING.replace("128: {tile_m: 128, tile_n: 64, warps: 4, stages: 2}", f"128: {rows}")
