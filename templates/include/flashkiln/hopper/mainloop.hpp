@@ -23,8 +23,9 @@ using namespace cute;
 // The work tiles. Under a causal mask the grid of query tiles starts above row 0 by the padding
 // rounded down to whole warpgroups (64 rows), so that a partial tile (seqlen_q not a multiple of
 // tile_m) comes first, where it sees the fewest keys, rather than last, where it sees them all.
-// A warpgroup's rows then lie either all above row 0 (its O stores are skipped) or start at or
-// below it: TMA stores never start at a negative row.
+// A warpgroup's 64 rows then either all lie above row 0 (its O stores are skipped) or start at
+// row 0 or later: no TMA store starts at a negative row (one that did died with an illegal
+// instruction; loads may).
 template <class T>
 __device__ __forceinline__ TileScheduler<T::kCausal != Causal::none> make_scheduler(HopperFwdParams const& p) {
   const int row_shift = T::kCausal != Causal::none ? (p.num_m_blocks * T::kBlockM - p.seqlen_q) / 64 * 64 : 0;
