@@ -1,7 +1,8 @@
-// The forward's epilogue, per consumer warpgroup: normalize O, stage it in the warpgroup's rows
-// of the O buffer (O's own, or Q's; swizzled like Q) and write it with TMA stores, which clip rows
-// past the sequence end; LSE goes straight from registers. Q's buffer is handed back to the
-// producer once the stores have read it; O's own buffer is reused once they have (next tile).
+// The forward's epilogue, per consumer warpgroup: normalize O, stage it in shared memory (O's own
+// buffer, else the last key tile's K/V stage, else Q's buffer for a tile without keys; swizzled
+// like Q) and write it with TMA stores, which clip rows past the sequence end; LSE goes straight
+// from registers. A borrowed buffer is handed back to the producer once the stores have read it;
+// O's own is reused once they have (next tile).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,9 +20,13 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
+// last_stage: the stage of the tile's last key tile (-1: none), where O is staged without a buffer
+// of its own once every consumer is done reading it (stage_read, whose phase the caller keeps).
 template <class T, class AccO, class Softmax>
 __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
-                                           WorkTile const& w, AccO& acc_o, Softmax& softmax) {
+                                           WorkTile const& w, int last_stage, uint32_t& stage_read_phase,
+                                           AccO& acc_o, Softmax& softmax) {
+  using Element = typename T::Element;
   constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
   typename T::TiledMmaO mma_o;
   auto thr_o = mma_o.get_thread_slice(thread);
@@ -30,38 +35,61 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   float lse[kRows];
   const float sink = p.sink != 0 ? reinterpret_cast<float const*>(p.sink)[w.head] : -kInfinity;
   softmax.finalize(rowcol(acc_o), p.scale, sink, lse);
-  Tensor rO = portable::convert_fragment<typename T::Element>(acc_o);
+  Tensor rO = portable::convert_fragment<Element>(acc_o);
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kDimV>>{}));
-  typename T::Element* o_buffer = ss.q;
-  if constexpr (T::kOwnO) {
-    o_buffer = ss.o;
-  }
+  const bool in_stage = !T::kOwnO && last_stage >= 0;
   const bool leader = thread % 128 == 0;
   if (T::kOwnO && leader) {
     cute::tma_store_wait<0>();  // the previous tile's stores have read the warpgroup's O rows
   }
-  // Own O buffer: the leader's wait is done. O in Q's buffer: the last wgmma has read those rows.
+  if (in_stage) {
+    Barrier::wait(&ss.stage_read, stage_read_phase);  // both warpgroups' last GEMMs have read the stage
+    stage_read_phase ^= 1;
+  }
+  // Own O buffer: the leader's wait is done. Q's buffer: this warpgroup's last wgmma has read its rows.
   named_barrier_sync(1 + warpgroup, 128);
-  store_fragment<T::kBlockM>(rO, cO, cute::cast_smem_ptr_to_uint(o_buffer));
+  // The warpgroup's first 64-column box and the step between its boxes. In a K/V stage the
+  // warpgroup's 64 rows form a tile of their own: the fragment's row coordinates, which count
+  // from the work tile's first row, are offset back by the warpgroup's 64 rows (128 bytes each).
+  Element* box;
+  int box_step;
+  if (in_stage) {
+    box = warpgroup == 0 ? ss.k + last_stage * T::kElemsK : ss.v + last_stage * T::kElemsV;
+    box_step = 64 * T::kBoxCols;
+    store_fragment<64>(rO, cO, cute::cast_smem_ptr_to_uint(box) - warpgroup * 64 * 128);
+  } else {
+    Element* buffer = ss.q;
+    if constexpr (T::kOwnO) {
+      buffer = ss.o;
+    }
+    box = buffer + warpgroup * 64 * T::kBoxCols;
+    box_step = T::kBlockM * T::kBoxCols;
+    store_fragment<T::kBlockM>(rO, cO, cute::cast_smem_ptr_to_uint(buffer));
+  }
   // Generic-proxy writes that the TMA engine reads next: fence, then gather the warpgroup.
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(1 + warpgroup, 128);
   if (leader && w.row0 + warpgroup * 64 >= 0) {  // rows above row 0 (make_scheduler) are padding
     CUTE_UNROLL
     for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
-      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, o_buffer + c * T::kBlockM * T::kBoxCols + warpgroup * 64 * T::kBoxCols,
-                                    c * T::kBoxCols, w.row0 + warpgroup * 64, w.head, w.batch);
+      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, box + c * box_step, c * T::kBoxCols, w.row0 + warpgroup * 64, w.head,
+                                    w.batch);
     }
     cute::tma_store_arrive();
     if (!T::kOwnO) {
-      cute::tma_store_wait<0>();  // the stores have read Q's buffer
+      cute::tma_store_wait<0>();  // the stores have read the stage (or Q's buffer)
     }
   }
   if constexpr (!T::kOwnO) {
-    // Every thread releases Q's buffer (and the tile index it read) itself, once the leader's
-    // stores are done with it: the producer may refill both.
+    // Every thread releases the buffer itself once the leader's stores are done with it: the
+    // producer may refill it.
     named_barrier_sync(1 + warpgroup, 128);
-    Barrier::arrive(&ss.q_empty);
+    if (in_stage) {
+      Barrier::arrive(&ss.k_empty[last_stage]);
+      Barrier::arrive(&ss.v_empty[last_stage]);
+    } else {
+      Barrier::arrive(&ss.q_empty);  // (and the tile index it read)
+    }
   }
 
   // The thread holding column 0 of a row writes that row's LSE.

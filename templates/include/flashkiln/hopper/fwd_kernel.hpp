@@ -1,7 +1,8 @@
 // Hopper attention forward (sm_90a): a persistent, warp-specialized kernel. Warpgroup 0 is the
 // producer (one thread issues every TMA load); the other warpgroups consume, 64 query rows each,
 // with wgmma. Q, K and V arrive in 128-byte-swizzled shared memory through an mbarrier ring of
-// kStages K/V buffers; O leaves through TMA stores (from its own buffer where it fits). See
+// kStages K/V buffers; O leaves through TMA stores (staged in its own buffer where it fits, else in
+// the last key tile's K/V stage). See
 // docs/design.md, "Hopper forward kernel".
 #pragma once
 
@@ -33,9 +34,10 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
 
   if (threadIdx.x == 0) {
     Barrier::init(&ss.q_full, 1);
-    // Q's buffer (and the tile index) is released by every consumer thread: after its last S with
-    // O's own buffer, else once O's stores have read it.
+    // Q's buffer (and the tile index) is released by every consumer thread after its last S (a
+    // tile without keys: once O's stores have read it, where O has no buffer of its own).
     Barrier::init(&ss.q_empty, T::kConsumerThreads);
+    Barrier::init(&ss.stage_read, T::kConsumerThreads);
     CUTE_UNROLL
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&ss.k_full[s], 1);
@@ -66,6 +68,7 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
     PipelineState<T::kStages> kv;
     const WarpgroupTurns<T::kTurns> turns(thread / 128);
     uint32_t q_full_phase = 0;
+    uint32_t stage_read_phase = 0;
     while (true) {
       // The producer names each tile (or the end) before the Q it loads for it.
       Barrier::wait(&ss.q_full, q_full_phase);
@@ -81,8 +84,8 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
       const int n_blocks = key_tiles<T>(p, w.row0);
       portable::OnlineSoftmax<kRows, T::kLazyRescale> softmax;
       clear(acc_o);
-      consume_tile<T>(p, ss, thread, w.row0, n_blocks, kv, turns, acc_o, softmax);
-      store_tile<T>(p, ss, thread, w, acc_o, softmax);
+      const int last_stage = consume_tile<T>(p, ss, thread, w.row0, n_blocks, kv, turns, acc_o, softmax);
+      store_tile<T>(p, ss, thread, w, last_stage, stage_read_phase, acc_o, softmax);
     }
   }
 }

@@ -132,7 +132,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       if (n_block == n_blocks - 1) {
         // The tile's first K (and bias) tiles load while the consumers still finish the previous
         // work tile; then its Q and its first V, whichever buffer frees up first. Q's frees with
-        // the previous tile's last S (after its epilogue where O leaves through it), the V stage
+        // the previous tile's last S (after its epilogue if that tile had no keys), the V stage
         // kStages - 2 key tiles before that tile's end; the tile's first S needs Q, its first
         // P V comes a softmax later. Q after V cost up to 5% at S <= 2k (docs/perf.md, v9).
         bool q_pending = true;
@@ -157,12 +157,14 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 }
 
 // The consumer warpgroups' main loop over one work tile's key tiles: returns with acc_o holding
-// the unnormalized output and `softmax` the row statistics. S = Q K^T of the next key tile and
+// the unnormalized output and `softmax` the row statistics, and gives the stage of the tile's last
+// key tile (-1: no keys). Without O's own buffer the consumers keep that stage, O is staged
+// there, and the epilogue releases it (store_tile). S = Q K^T of the next key tile and
 // O += P V of this one are issued together, in one turn of the ping-pong where there are turns;
 // the next tile's softmax then runs while this warpgroup's P V and the other warpgroup's GEMMs
 // keep the tensor cores busy.
 template <class T, class AccO, class Softmax>
-__device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
+__device__ __forceinline__ int consume_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
                                              int row0, int n_blocks, PipelineState<T::kStages>& kv,
                                              WarpgroupTurns<T::kTurns> const& turns, AccO& acc_o,
                                              Softmax& softmax) {
@@ -185,14 +187,16 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
     if (T::kOwnO) {
       Barrier::arrive(&ss.q_empty);  // a tile without keys reads no Q
     }
-    return;
+    return -1;
   }
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
-  // Once S of key tile n_block is in acc_s, its K stage is free (and Q's buffer after the last),
-  // and the stage's bias tile joins the scores.
+  // Once S of key tile n_block is in acc_s, its K stage is free (but for the last key tile's where
+  // O is staged there) and Q's buffer after the last, and the stage's bias tile joins the scores.
   auto s_done = [&](int n_block) {
-    Barrier::arrive(&ss.k_empty[kv.stage]);
-    if (T::kOwnO && n_block == 0) {
+    if (T::kOwnO || n_block > 0) {
+      Barrier::arrive(&ss.k_empty[kv.stage]);
+    }
+    if (n_block == 0) {
       Barrier::arrive(&ss.q_empty);
     }
     if constexpr (T::kBias) {
@@ -265,7 +269,8 @@ __device__ __forceinline__ void consume_tile(HopperFwdParams const& p, typename 
   wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
   turns.pass();
   warpgroup_wait<0>();
-  Barrier::arrive(&ss.v_empty[v_stage]);
+  Barrier::arrive(T::kOwnO ? &ss.v_empty[v_stage] : &ss.stage_read);
+  return v_stage;
 }
 
 }  // namespace flashkiln::hopper

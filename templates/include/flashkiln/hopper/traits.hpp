@@ -94,9 +94,11 @@ struct FwdTraits {
   };
 
   // Swizzled buffers start on 1024-byte boundaries (the 128-byte swizzle repeats every 8 rows).
-  // With its own O buffer, Q's buffer is free once the tile's last S = Q K^T has run, so the next
-  // tile's Q loads during this tile's last steps and epilogue; without one, O leaves through Q's
-  // buffer and the next Q waits for its TMA store. O gets a buffer wherever it fits.
+  // Q's buffer is free once the tile's last S = Q K^T has run, so the next tile's Q loads during
+  // this tile's last steps and epilogue. O is staged for its TMA stores in a buffer of its own
+  // wherever one fits, else in the K/V stage of the tile's last key tile (64 rows per consumer
+  // warpgroup: the first's in the K buffer, the second's in the V buffer), which the producer
+  // then refills once the stores have read it; a tile without keys stages its zeros in Q's.
   struct StorageQKV {
     alignas(1024) Element q[kElemsQ];  // Q (and this tile's O on its way out, without an O buffer)
     alignas(1024) Element k[kStages * kElemsK];
@@ -107,6 +109,7 @@ struct FwdTraits {
     uint64_t v_full[kStages];
     uint64_t k_empty[kStages];    // the consumers finished reading the stage's K
     uint64_t v_empty[kStages];    // ... and its V
+    uint64_t stage_read;          // every consumer finished its tile's last GEMMs (O staged in that stage)
     int tile;                     // the work tile of the current Q (valid once q_full completes)
     cute::conditional_t<kBias, BiasRing, NoBias> bias;
   };
@@ -117,7 +120,9 @@ struct FwdTraits {
   static constexpr int kAlignSlack = 1024 - 16;
   static constexpr int kMaxSmemBytes = 232448;  // sm_90a's opt-in limit per block
   static constexpr bool kOwnO = int(sizeof(StorageQKVO)) + kAlignSlack <= kMaxSmemBytes;
-  static_assert(kOwnO || kElemsO <= kElemsQ, "O is staged in Q's buffer");
+  static_assert(kOwnO || (kConsumerWarpgroups == 2 && 64 * kDimV <= kElemsK && 64 * kDimV <= kElemsV),
+                "without its own buffer, O is staged in a K/V stage");
+  static_assert(kOwnO || kElemsO <= kElemsQ, "a tile without keys stages O in Q's buffer");
   using SharedStorage = cute::conditional_t<kOwnO, StorageQKVO, StorageQKV>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kAlignSlack;
 };
