@@ -165,9 +165,9 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 // keep the tensor cores busy.
 template <class T, class AccO, class Softmax>
 __device__ __forceinline__ int consume_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
-                                             int row0, int n_blocks, PipelineState<T::kStages>& kv,
-                                             WarpgroupTurns<T::kTurns> const& turns, AccO& acc_o,
-                                             Softmax& softmax) {
+                                            int row0, int n_blocks, PipelineState<T::kStages>& kv,
+                                            WarpgroupTurns<T::kTurns> const& turns, AccO& acc_o,
+                                            Softmax& softmax) {
   using portable::convert_fragment;
   typename T::TiledMmaS mma_s;
   typename T::TiledMmaO mma_o;
