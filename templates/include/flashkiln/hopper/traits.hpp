@@ -100,7 +100,7 @@ struct FwdTraits {
   // warpgroup: the first's in the K buffer, the second's in the V buffer), which the producer
   // then refills once the stores have read it; a tile without keys stages its zeros in Q's.
   struct StorageQKV {
-    alignas(1024) Element q[kElemsQ];  // Q (and this tile's O on its way out, without an O buffer)
+    alignas(1024) Element q[kElemsQ];  // Q (and, without an O buffer, a keyless tile's zero O)
     alignas(1024) Element k[kStages * kElemsK];
     alignas(1024) Element v[kStages * kElemsV];
     uint64_t q_full;              // Q landed (TMA transaction count)
