@@ -36,17 +36,26 @@ class HopperFamily:
         return d.tile_m // 64
 
     def smem_bytes(self, d: VariantDescriptor) -> int:
-        return self._smem_bytes(d, own_o=self.own_o_buffer(d))
+        return self._smem_bytes(d, own_o=self.own_o_buffer(d), q_slots=self.q_slots(d))
 
     def own_o_buffer(self, d: VariantDescriptor) -> bool:
         """O gets its own shared-memory buffer (Q's then loads early) wherever it fits (traits.hpp)."""
-        return self._smem_bytes(d, own_o=True) <= ARCHS[d.arch].max_smem_per_block
+        return self._fits(self._smem_bytes(d, own_o=True, q_slots=1), d)
 
-    def _smem_bytes(self, d: VariantDescriptor, own_o: bool) -> int:
+    def q_slots(self, d: VariantDescriptor) -> int:
+        """Two Q buffers (the next tile's Q loads a tile ahead) where they fit beside O's own (traits.hpp)."""
+        two = self.consumer_warpgroups(d) == 3 and self.own_o_buffer(d)
+        return 2 if two and self._fits(self._smem_bytes(d, own_o=True, q_slots=2), d) else 1
+
+    @staticmethod
+    def _fits(smem: int, d: VariantDescriptor) -> bool:
+        return smem <= ARCHS[d.arch].max_smem_per_block
+
+    def _smem_bytes(self, d: VariantDescriptor, own_o: bool, q_slots: int) -> int:
         elem = _ELEMENT_BYTES[d.dtype]
         bias = d.bias != "none"
-        tiles = elem * (d.tile_m * d.d_qk + d.stages * d.tile_n * (d.d_qk + d.d_v) + own_o * d.tile_m * d.d_v
-                        + bias * d.stages * d.tile_m * d.tile_n)
+        tiles = elem * (q_slots * d.tile_m * d.d_qk + d.stages * d.tile_n * (d.d_qk + d.d_v)
+                        + own_o * d.tile_m * d.d_v + bias * d.stages * d.tile_m * d.tile_n)
         # The bias ring's barriers take a block of their own (after its 1024-byte aligned tiles).
         return tiles + _BARRIER_BLOCK * (1 + bias) + _ALIGN_SLACK
 

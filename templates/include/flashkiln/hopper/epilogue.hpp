@@ -21,10 +21,12 @@ namespace flashkiln::hopper {
 using namespace cute;
 
 // last_stage: the stage of the tile's last key tile (-1: none), where O is staged without a buffer
-// of its own once every consumer is done reading it (stage_read, whose phase the caller keeps).
+// of its own once every consumer is done reading it (stage_read, whose phase the caller keeps);
+// q_slot: the tile's Q slot, where a tile without keys stages its zeros without an O buffer.
 template <class T, class AccO, class Softmax>
 __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
-                                           WorkTile const& w, int last_stage, uint32_t& stage_read_phase,
+                                           WorkTile const& w, int q_slot, int last_stage,
+                                           uint32_t& stage_read_phase,
                                            AccO& acc_o, Softmax& softmax) {
   using Element = typename T::Element;
   constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
@@ -58,7 +60,7 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
     box_step = 64 * T::kBoxCols;
     store_fragment<64>(rO, cO, cute::cast_smem_ptr_to_uint(box) - warpgroup * 64 * 128);
   } else {
-    Element* buffer = ss.q;
+    Element* buffer = ss.q + q_slot * T::kElemsQ;
     if constexpr (T::kOwnO) {
       buffer = ss.o;
     }
@@ -88,7 +90,7 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
       Barrier::arrive(&ss.k_empty[last_stage]);
       Barrier::arrive(&ss.v_empty[last_stage]);
     } else {
-      Barrier::arrive(&ss.q_empty);  // (and the tile index it read)
+      Barrier::arrive(&ss.q_empty[q_slot]);  // (and the tile index it read)
     }
   }
 

@@ -33,10 +33,13 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
-    Barrier::init(&ss.q_full, 1);
-    // Q's buffer (and the tile index) is released by every consumer thread after its last S (a
-    // tile without keys: once O's stores have read it, where O has no buffer of its own).
-    Barrier::init(&ss.q_empty, T::kConsumerThreads);
+    CUTE_UNROLL
+    for (int s = 0; s < T::kQSlots; ++s) {
+      Barrier::init(&ss.q_full[s], 1);
+      // A Q slot (and its tile index) is released by every consumer thread after its tile's last
+      // S (a tile without keys: once O's stores have read it, where O has no buffer of its own).
+      Barrier::init(&ss.q_empty[s], T::kConsumerThreads);
+    }
     Barrier::init(&ss.stage_read, T::kConsumerThreads);
     CUTE_UNROLL
     for (int s = 0; s < T::kStages; ++s) {
@@ -60,33 +63,7 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    const int thread = threadIdx.x - 128;
-    const auto sched = make_scheduler<T>(p);
-    typename T::TiledMmaO mma_o;
-    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<T::kBlockM>, Int<T::kDimV>>{});
-    constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
-    PipelineState<T::kStages> kv;
-    const WarpgroupTurns<T::kTurns> turns(thread / 128);
-    uint32_t q_full_phase = 0;
-    uint32_t stage_read_phase = 0;
-    while (true) {
-      // The producer names each tile (or the end) before the Q it loads for it.
-      Barrier::wait(&ss.q_full, q_full_phase);
-      q_full_phase ^= 1;
-      const int tile = *reinterpret_cast<volatile int*>(&ss.tile);
-      if (!sched.valid(tile)) {
-        if (T::kOwnO && thread % 128 == 0) {
-          cute::tma_store_wait<0>();  // O's buffer must outlive the reads of the last stores
-        }
-        break;
-      }
-      const WorkTile w = sched.decode(tile);
-      const int n_blocks = key_tiles<T>(p, w.row0);
-      portable::OnlineSoftmax<kRows, T::kLazyRescale> softmax;
-      clear(acc_o);
-      const int last_stage = consume_tile<T>(p, ss, thread, w.row0, n_blocks, kv, turns, acc_o, softmax);
-      store_tile<T>(p, ss, thread, w, last_stage, stage_read_phase, acc_o, softmax);
-    }
+    consume<T>(p, ss, threadIdx.x - 128);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cute/tensor.hpp>
 
 #include <flashkiln/common.hpp>
+#include <flashkiln/hopper/epilogue.hpp>
 #include <flashkiln/hopper/mma.hpp>
 #include <flashkiln/hopper/params.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
@@ -58,38 +59,35 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   const int group = p.heads_q / p.heads_kv;
   const auto sched = make_scheduler<T>(p);
   PipelineState<T::kStages> kv;
-  uint32_t q_empty_phase = 0;
-  for (int tile = sched.first(), step = 0;; tile = sched.next(tile), ++step) {
+  PipelineState<T::kQSlots> q_slot;  // the slot of the next tile's Q, in tile order
+  for (int tile = sched.first();; tile = sched.next(tile)) {
     const bool valid = sched.valid(tile);
     const WorkTile w = valid ? sched.decode(tile) : WorkTile{0, 0, 0};
     const int n_blocks = valid ? key_tiles<T>(p, w.row0) : 0;
-    // Whether the consumers have released Q's buffer (and the tile index), waiting for it if
-    // `block`; the first tile finds it free.
+    // Whether the consumers have released the next Q slot (and its tile index), waiting for it
+    // if `block`; a slot's first use finds it free.
     auto q_free = [&](bool block) {
-      if (step == 0) {
+      if (block) {
+        Barrier::wait(&ss.q_empty[q_slot.stage], q_slot.phase ^ 1);
         return true;
       }
-      if (block) {
-        Barrier::wait(&ss.q_empty, q_empty_phase);
-      } else if (!Barrier::try_wait(&ss.q_empty, q_empty_phase)) {
-        return false;
-      }
-      q_empty_phase ^= 1;
-      return true;
+      return Barrier::try_wait(&ss.q_empty[q_slot.stage], q_slot.phase ^ 1);
     };
-    // Name the tile to the consumers (the end, or no keys: O = 0) and load its Q, into a free
-    // Q buffer. The q_full arrival releases the store of the tile index.
+    // Name the tile to the consumers (the end, or no keys: O = 0) and load its Q, into the free
+    // slot. The q_full arrival releases the store of the tile index.
     auto publish = [&] {
-      *reinterpret_cast<volatile int*>(&ss.tile) = tile;
+      const int slot = q_slot.stage;
+      q_slot.advance();
+      *reinterpret_cast<volatile int*>(&ss.tile[slot]) = tile;
       if (n_blocks == 0) {
-        Barrier::arrive(&ss.q_full);
+        Barrier::arrive(&ss.q_full[slot]);
         return;
       }
-      TxBarrier::arrive_and_expect_tx(&ss.q_full, T::kBytesQ);
+      TxBarrier::arrive_and_expect_tx(&ss.q_full[slot], T::kBytesQ);
       CUTE_UNROLL
       for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
-        tma_load(&p.tma_q, &ss.q_full, ss.q + c * T::kBlockM * T::kBoxCols, c * T::kBoxCols,
-                 w.row0, w.head, w.batch);
+        tma_load(&p.tma_q, &ss.q_full[slot], ss.q + slot * T::kElemsQ + c * T::kBlockM * T::kBoxCols,
+                 c * T::kBoxCols, w.row0, w.head, w.batch);
       }
     };
     if (n_blocks == 0) {
@@ -131,8 +129,9 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       };
       if (n_block == n_blocks - 1) {
         // The tile's first K (and bias) tiles load while the consumers still finish the previous
-        // work tile; then its Q and its first V, whichever buffer frees up first. Q's frees with
-        // the previous tile's last S (after its epilogue if that tile had no keys), the V stage
+        // work tile; then its Q and its first V, whichever buffer frees up first. With one Q
+        // slot, Q's frees with the previous tile's last S (after its epilogue if that tile had no
+        // keys; with two, the tile before's), the V stage
         // kStages - 2 key tiles before that tile's end; the tile's first S needs Q, its first
         // P V comes a softmax later. Q after V cost up to 5% at S <= 2k (docs/perf.md, v9).
         bool q_pending = true;
@@ -156,48 +155,76 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   }
 }
 
-// The consumer warpgroups' main loop over one work tile's key tiles: returns with acc_o holding
-// the unnormalized output and `softmax` the row statistics, and gives the stage of the tile's last
-// key tile (-1: no keys). Without O's own buffer the consumers keep that stage, O is staged
-// there, and the epilogue releases it (store_tile). S = Q K^T of the next key tile and
-// O += P V of this one are issued together, in one turn of the ping-pong where there are turns;
-// the next tile's softmax then runs while this warpgroup's P V and the other warpgroup's GEMMs
-// keep the tensor cores busy.
-template <class T, class AccO, class Softmax>
-__device__ __forceinline__ int consume_tile(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread,
-                                            int row0, int n_blocks, PipelineState<T::kStages>& kv,
-                                            WarpgroupTurns<T::kTurns> const& turns, AccO& acc_o,
-                                            Softmax& softmax) {
+// A consumer warpgroup: every work tile of this CTA, as the producer names them. Per tile: S of
+// its first key tile (unless the previous tile's last turn issued it), then per key tile S of the
+// next key tile and O += P V of this one, issued together in one turn of the ping-pong where
+// there are turns; the next key tile's softmax runs while this warpgroup's P V and the other
+// warpgroups' GEMMs keep the tensor cores busy. With two Q slots the next tile's Q has landed
+// before this tile's last P V: that turn issues the next tile's first S too, which runs under
+// this tile's epilogue.
+template <class T>
+__device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread) {
   using portable::convert_fragment;
+  const auto sched = make_scheduler<T>(p);
   typename T::TiledMmaS mma_s;
   typename T::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(thread);
   auto thr_o = mma_o.get_thread_slice(thread);
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQ{});
+  // Shared-memory descriptors: Q's per slot (the same slot where there is one), K's and V's as
+  // (MMA, N, K, stage).
+  Tensor tSrQ0 = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQ{}));
+  Tensor tSrQ1 = thr_s.partition_fragment_A(
+      make_tensor(make_smem_ptr(ss.q + (T::kQSlots - 1) * T::kElemsQ), typename T::SmemLayoutQ{}));
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename T::SmemLayoutVt{});
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // shared-memory descriptors
-  Tensor tSrK = thr_s.partition_fragment_B(sK);  // (MMA, N, K, stage)
+  Tensor tSrK = thr_s.partition_fragment_B(sK);
   Tensor tOrV = thr_o.partition_fragment_B(sVt);
   Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
   Tensor tScS = rowcol(cS);
   const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
   const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores (portable/bias.hpp)
-  if (n_blocks == 0) {
-    if (T::kOwnO) {
-      Barrier::arrive(&ss.q_empty);  // a tile without keys reads no Q
-    }
-    return -1;
-  }
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<T::kBlockM>, Int<T::kDimV>>{});
+  constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
+  // P of the key tile whose P V is issued next: it stays unchanged until that GEMM has completed,
+  // while the softmax of the following key tile runs beside it.
+  Tensor p_regs = make_fragment_like<typename T::Element>(acc_s);
+  Tensor tOrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
+  PipelineState<T::kStages> kv;
+  PipelineState<T::kQSlots> q_slot;  // the slot of the next tile's Q, in tile order
+  const WarpgroupTurns<T::kTurns> turns(thread / 128);
+  uint32_t stage_read_phase = 0;
+
+  struct Tile {
+    WorkTile w;
+    int n_blocks;  // key tiles (0: none)
+    int q_slot;
+    bool valid;    // false: no tiles are left
+  };
+  // The next tile, once the producer names it (its Q has landed with the name).
+  auto next_tile = [&] {
+    Tile t;
+    t.q_slot = q_slot.stage;
+    Barrier::wait(&ss.q_full[q_slot.stage], q_slot.phase);
+    q_slot.advance();
+    const int tile = *reinterpret_cast<volatile int*>(&ss.tile[t.q_slot]);
+    t.valid = sched.valid(tile);
+    t.w = t.valid ? sched.decode(tile) : WorkTile{0, 0, 0};
+    t.n_blocks = t.valid ? key_tiles<T>(p, t.w.row0) : 0;
+    return t;
+  };
+  // S of the current key tile (kv.stage, landed) from the Q in `slot`, as one wgmma group.
+  auto issue_s = [&](int slot) {
+    wgmma_gemm<true>(mma_s, slot == 0 ? tSrQ0 : tSrQ1, tSrK(_, _, _, kv.stage), acc_s);
+  };
   // Once S of key tile n_block is in acc_s, its K stage is free (but for the last key tile's where
-  // O is staged there) and Q's buffer after the last, and the stage's bias tile joins the scores.
-  auto s_done = [&](int n_block) {
+  // O is staged there) and the Q slot after the last, and the stage's bias tile joins the scores.
+  auto s_done = [&](Tile const& t, int n_block) {
     if (T::kOwnO || n_block > 0) {
       Barrier::arrive(&ss.k_empty[kv.stage]);
     }
     if (n_block == 0) {
-      Barrier::arrive(&ss.q_empty);
+      Barrier::arrive(&ss.q_empty[t.q_slot]);
     }
     if constexpr (T::kBias) {
       const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + kv.stage * T::kElemsBias);
@@ -210,67 +237,104 @@ __device__ __forceinline__ int consume_tile(HopperFwdParams const& p, typename T
       Barrier::arrive(&ss.bias.empty[kv.stage]);
     }
   };
-
-  // Scores of key tile n_block to probabilities; o is rescaled by the caller (rescale_output)
-  // where `exponentiate` asks for it, once no GEMM accumulates into it.
-  float rescale[decltype(size<0>(rowcol(acc_s)))::value];
-  auto to_probabilities = [&](auto first, int n_block) {
-    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(row0, n_block * T::kBlockN,
+  // Scores of key tile n_block to probabilities; O is rescaled (rescale_output) where
+  // `exponentiate` asks for it, once no GEMM accumulates into it.
+  float rescale[kRows];
+  auto to_probabilities = [&](auto first, Tile const& t, int n_block, auto& softmax) {
+    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(t.w.row0, n_block * T::kBlockN,
                                                                 p.seqlen_k, causal_offset)) {
-      portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, row0, n_block * T::kBlockN,
+      portable::mask_scores<T::kCausal>(rowcol(acc_s), tScS, t.w.row0, n_block * T::kBlockN,
                                         p.seqlen_k, causal_offset);
     }
     return softmax.template exponentiate<decltype(first)::value>(rowcol(acc_s), p.scale_log2, rescale);
   };
 
-  Barrier::wait(&ss.k_full[kv.stage], kv.phase);
-  turns.wait();
-  wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
-  turns.pass();
-  warpgroup_wait<0>();
-  s_done(n_blocks - 1);
-  bool must_rescale = to_probabilities(cute::true_type{}, n_blocks - 1);
-  // P of the key tile whose P V is issued next: it stays unchanged until that GEMM has completed,
-  // while the softmax of the following key tile runs beside it.
-  Tensor p_regs = make_fragment_like<typename T::Element>(acc_s);
-  Tensor tOrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
-  // Each step starts with acc_s holding the probabilities of key tile n_block and O += P V of the
-  // tile before possibly in flight. It waits for that GEMM, turns acc_s into P, issues S of the
-  // next key tile and P V of this one, and runs the new S's softmax while they run.
-  int v_stage = -1;  // the V stage of the P V GEMM in flight (-1: none)
-  for (int n_block = n_blocks - 1;; --n_block) {
-    // The wait heads the step rather than ending the previous one: ptxas schedules a wgmma wait
-    // early in its basic block, which would put it before the softmax (docs/perf.md, v9).
-    warpgroup_wait<0>();
-    if (v_stage >= 0) {
-      Barrier::arrive(&ss.v_empty[v_stage]);
+  Tile tile = next_tile();
+  bool s_issued = false;  // S of the tile's first key tile was issued by the previous tile
+  while (tile.valid) {
+    portable::OnlineSoftmax<kRows, T::kLazyRescale> softmax;
+    clear(acc_o);
+    if (tile.n_blocks == 0) {
+      if (T::kOwnO) {
+        Barrier::arrive(&ss.q_empty[tile.q_slot]);  // a tile without keys reads no Q
+      }
+      store_tile<T>(p, ss, thread, tile.w, tile.q_slot, -1, stage_read_phase, acc_o, softmax);
+      tile = next_tile();
+      s_issued = false;
+      continue;
     }
-    if (must_rescale) {
-      softmax.rescale_output(rowcol(acc_o), rescale);
+    if (!s_issued) {
+      Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+      turns.wait();
+      issue_s(tile.q_slot);
+      turns.pass();
+      warpgroup_wait<0>();
     }
-    p_regs = convert_fragment<typename T::Element>(acc_s);
-    v_stage = kv.stage;
-    Barrier::wait(&ss.v_full[v_stage], kv.phase);
-    kv.advance();
-    if (n_block == 0) {
-      break;
+    s_done(tile, tile.n_blocks - 1);
+    bool must_rescale = to_probabilities(cute::true_type{}, tile, tile.n_blocks - 1, softmax);
+    // Each step starts with acc_s holding the probabilities of key tile n_block and O += P V of
+    // the tile before possibly in flight. It waits for that GEMM, turns acc_s into P, issues S of
+    // the next key tile and P V of this one, and runs the new S's softmax while they run.
+    int v_stage = -1;  // the V stage of the P V GEMM in flight (-1: none)
+    for (int n_block = tile.n_blocks - 1;; --n_block) {
+      // The wait heads the step rather than ending the previous one: ptxas schedules a wgmma wait
+      // early in its basic block, which would put it before the softmax (docs/perf.md, v9).
+      warpgroup_wait<0>();
+      if (v_stage >= 0) {
+        Barrier::arrive(&ss.v_empty[v_stage]);
+      }
+      if (must_rescale) {
+        softmax.rescale_output(rowcol(acc_o), rescale);
+      }
+      p_regs = convert_fragment<typename T::Element>(acc_s);
+      v_stage = kv.stage;
+      Barrier::wait(&ss.v_full[v_stage], kv.phase);
+      kv.advance();
+      if (n_block == 0) {
+        break;
+      }
+      // S of the next key tile first, so that waiting for all but one GEMM waits for S alone.
+      Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+      turns.wait();
+      issue_s(tile.q_slot);
+      wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
+      turns.pass();
+      warpgroup_wait<1>();
+      s_done(tile, n_block - 1);
+      must_rescale = to_probabilities(cute::false_type{}, tile, n_block - 1, softmax);
     }
-    // S of the next key tile first, so that waiting for all but one GEMM waits for S alone.
-    Barrier::wait(&ss.k_full[kv.stage], kv.phase);
-    turns.wait();
-    wgmma_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, kv.stage), acc_s);
-    wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
-    turns.pass();
-    warpgroup_wait<1>();
-    s_done(n_block - 1);
-    must_rescale = to_probabilities(cute::false_type{}, n_block - 1);
+    // The last P V. Without O's own buffer the consumers keep its stage: O is staged there, and
+    // the epilogue releases it (store_tile). Each branch waits for its own GEMMs: accumulators of
+    // a GEMM in flight must not meet at a join (ptxas would serialize every wgmma, C7515).
+    auto last_pv_done = [&] { Barrier::arrive(T::kOwnO ? &ss.v_empty[v_stage] : &ss.stage_read); };
+    // With one Q slot the next tile's Q loads only once this tile's last S has released the slot:
+    // its name is read after the epilogue, not waited for before the last P V.
+    const Tile next = T::kQSlots > 1 ? next_tile() : Tile{};
+    if (T::kQSlots > 1 && next.n_blocks > 0) {
+      Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+      turns.wait();
+      wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
+      issue_s(next.q_slot);
+      turns.pass();
+      warpgroup_wait<1>();
+      last_pv_done();
+      store_tile<T>(p, ss, thread, tile.w, tile.q_slot, v_stage, stage_read_phase, acc_o, softmax);
+      warpgroup_wait<0>();
+      s_issued = true;
+    } else {
+      turns.wait();
+      wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
+      turns.pass();
+      warpgroup_wait<0>();
+      last_pv_done();
+      store_tile<T>(p, ss, thread, tile.w, tile.q_slot, v_stage, stage_read_phase, acc_o, softmax);
+      s_issued = false;
+    }
+    tile = T::kQSlots > 1 ? next : next_tile();
   }
-  turns.wait();
-  wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
-  turns.pass();
-  warpgroup_wait<0>();
-  Barrier::arrive(T::kOwnO ? &ss.v_empty[v_stage] : &ss.stage_read);
-  return v_stage;
+  if (T::kOwnO && thread % 128 == 0) {
+    cute::tma_store_wait<0>();  // O's buffer must outlive the reads of the last stores
+  }
 }
 
 }  // namespace flashkiln::hopper

@@ -94,36 +94,43 @@ struct FwdTraits {
   };
 
   // Swizzled buffers start on 1024-byte boundaries (the 128-byte swizzle repeats every 8 rows).
-  // Q's buffer is free once the tile's last S = Q K^T has run, so the next tile's Q loads during
-  // this tile's last steps and epilogue. O is staged for its TMA stores in a buffer of its own
+  // A Q slot is free once its tile's last S = Q K^T has run. With one slot, the next tile's Q
+  // loads during this tile's last steps and epilogue; with two (where they fit beside O's own
+  // buffer), a tile ahead, so that the consumers can issue the next tile's first S before this
+  // tile's epilogue (fwd_kernel.hpp). O is staged for its TMA stores in a buffer of its own
   // wherever one fits, else in the K/V stage of the tile's last key tile (64 rows per consumer
   // warpgroup: the first's in the K buffer, the second's in the V buffer), which the producer
-  // then refills once the stores have read it; a tile without keys stages its zeros in Q's.
+  // then refills once the stores have read it; a tile without keys stages its zeros in its Q slot.
+  template <int kQSlots_>
   struct StorageQKV {
-    alignas(1024) Element q[kElemsQ];  // Q (and, without an O buffer, a keyless tile's zero O)
+    static constexpr int kQSlots = kQSlots_;
+    alignas(1024) Element q[kQSlots * kElemsQ];  // Q (and, without an O buffer, a keyless tile's zero O)
     alignas(1024) Element k[kStages * kElemsK];
     alignas(1024) Element v[kStages * kElemsV];
-    uint64_t q_full;              // Q landed (TMA transaction count)
-    uint64_t q_empty;             // the consumers are done with Q's buffer
+    uint64_t q_full[kQSlots];     // Q landed (TMA transaction count)
+    uint64_t q_empty[kQSlots];    // the consumers are done with the slot
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
     uint64_t k_empty[kStages];    // the consumers finished reading the stage's K
     uint64_t v_empty[kStages];    // ... and its V
     uint64_t stage_read;          // every consumer finished its tile's last GEMMs (O staged in that stage)
-    int tile;                     // the work tile of the current Q (valid once q_full completes)
+    int tile[kQSlots];            // the work tile of the slot's Q (valid once its q_full completes)
     cute::conditional_t<kBias, BiasRing, NoBias> bias;
   };
-  struct StorageQKVO : StorageQKV {
+  template <int kQSlots_>
+  struct StorageQKVO : StorageQKV<kQSlots_> {
     alignas(1024) Element o[kElemsO];
   };
   // The dynamic allocation starts 16-byte aligned at worst: room to round up to 1024.
   static constexpr int kAlignSlack = 1024 - 16;
   static constexpr int kMaxSmemBytes = 232448;  // sm_90a's opt-in limit per block
-  static constexpr bool kOwnO = int(sizeof(StorageQKVO)) + kAlignSlack <= kMaxSmemBytes;
+  static constexpr bool kOwnO = int(sizeof(StorageQKVO<1>)) + kAlignSlack <= kMaxSmemBytes;
+  static constexpr int kQSlots =
+      kConsumerWarpgroups == 3 && kOwnO && int(sizeof(StorageQKVO<2>)) + kAlignSlack <= kMaxSmemBytes ? 2 : 1;
   static_assert(kOwnO || (kConsumerWarpgroups == 2 && 64 * kDimV <= kElemsK && 64 * kDimV <= kElemsV),
                 "without its own buffer, O is staged in a K/V stage");
-  static_assert(kOwnO || kElemsO <= kElemsQ, "a tile without keys stages O in Q's buffer");
-  using SharedStorage = cute::conditional_t<kOwnO, StorageQKVO, StorageQKV>;
+  static_assert(kOwnO || kElemsO <= kElemsQ, "a tile without keys stages O in its Q slot");
+  using SharedStorage = cute::conditional_t<kOwnO, StorageQKVO<kQSlots>, StorageQKV<kQSlots>>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kAlignSlack;
 };
 

@@ -16,15 +16,15 @@ __device__ __forceinline__ void mask_scores(TensorS&& s, Coord const& coord, int
                                             int causal_offset) {
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s); ++r) {
-    const int row = row0 + get<0>(coord(r, 0));
+    // A row hides the tile's columns from `limit` on: one compare per score, against a column
+    // that is a constant per register.
+    int limit = seqlen_k - col0;
+    if constexpr (kCausal != Causal::none) {
+      limit = min(limit, row0 + get<0>(coord(r, 0)) + causal_offset + 1 - col0);
+    }
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      const int col = col0 + get<1>(coord(r, c));
-      bool hidden = col >= seqlen_k;
-      if constexpr (kCausal != Causal::none) {
-        hidden |= col > row + causal_offset;
-      }
-      if (hidden) {
+      if (get<1>(coord(r, c)) >= limit) {
         s(r, c) = -kInfinity;
       }
     }
