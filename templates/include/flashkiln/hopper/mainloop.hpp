@@ -129,11 +129,11 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       };
       if (n_block == n_blocks - 1) {
         // The tile's first K (and bias) tiles load while the consumers still finish the previous
-        // work tile; then its Q and its first V, whichever buffer frees up first. With one Q
-        // slot, Q's frees with the previous tile's last S (after its epilogue if that tile had no
-        // keys; with two, the tile before's), the V stage
-        // kStages - 2 key tiles before that tile's end; the tile's first S needs Q, its first
-        // P V comes a softmax later. Q after V cost up to 5% at S <= 2k (docs/perf.md, v9).
+        // work tile; then its Q and its first V, whichever buffer frees up first. Q's slot frees
+        // with the last S of the tile that used it before (the previous tile with one slot, the
+        // one before that with two; after its epilogue if that tile had no keys), the V stage
+        // kStages - 2 key tiles before the previous tile's end; the tile's first S needs Q, its
+        // first P V comes a softmax later. Q after V cost up to 5% at S <= 2k (docs/perf.md, v9).
         bool q_pending = true;
         bool v_pending = true;
         while (q_pending || v_pending) {
@@ -160,8 +160,8 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 // next key tile and O += P V of this one, issued together in one turn of the ping-pong where
 // there are turns; the next key tile's softmax runs while this warpgroup's P V and the other
 // warpgroups' GEMMs keep the tensor cores busy. With two Q slots the next tile's Q has landed
-// before this tile's last P V: that turn issues the next tile's first S too, which runs under
-// this tile's epilogue.
+// before this tile's last P V: that turn issues the next tile's first S first, and the next
+// tile's first softmax runs under this tile's last P V, before its epilogue.
 template <class T>
 __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread) {
   using portable::convert_fragment;
@@ -250,9 +250,14 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   };
 
   Tile tile = next_tile();
-  bool s_issued = false;  // S of the tile's first key tile was issued by the previous tile
+  // Whether the previous tile's last turn already turned this tile's first key tile into
+  // probabilities (in acc_s and softmax).
+  bool started = false;
+  portable::OnlineSoftmax<kRows, T::kLazyRescale> softmax;
   while (tile.valid) {
-    portable::OnlineSoftmax<kRows, T::kLazyRescale> softmax;
+    if (!started) {
+      softmax = portable::OnlineSoftmax<kRows, T::kLazyRescale>{};
+    }
     clear(acc_o);
     if (tile.n_blocks == 0) {
       if (T::kOwnO) {
@@ -260,18 +265,18 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
       }
       store_tile<T>(p, ss, thread, tile.w, tile.q_slot, -1, stage_read_phase, acc_o, softmax);
       tile = next_tile();
-      s_issued = false;
       continue;
     }
-    if (!s_issued) {
+    bool must_rescale = false;
+    if (!started) {
       Barrier::wait(&ss.k_full[kv.stage], kv.phase);
       turns.wait();
       issue_s(tile.q_slot);
       turns.pass();
       warpgroup_wait<0>();
+      s_done(tile, tile.n_blocks - 1);
+      must_rescale = to_probabilities(cute::true_type{}, tile, tile.n_blocks - 1, softmax);
     }
-    s_done(tile, tile.n_blocks - 1);
-    bool must_rescale = to_probabilities(cute::true_type{}, tile, tile.n_blocks - 1, softmax);
     // Each step starts with acc_s holding the probabilities of key tile n_block and O += P V of
     // the tile before possibly in flight. It waits for that GEMM, turns acc_s into P, issues S of
     // the next key tile and P V of this one, and runs the new S's softmax while they run.
@@ -311,16 +316,27 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     // its name is read after the epilogue, not waited for before the last P V.
     const Tile next = T::kQSlots > 1 ? next_tile() : Tile{};
     if (T::kQSlots > 1 && next.n_blocks > 0) {
+      // The next tile's first S, then this tile's last P V; the next tile's first softmax runs
+      // under that P V, and this tile's epilogue follows.
       Barrier::wait(&ss.k_full[kv.stage], kv.phase);
       turns.wait();
-      wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
       issue_s(next.q_slot);
+      wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
       turns.pass();
       warpgroup_wait<1>();
+      portable::OnlineSoftmax<kRows, T::kLazyRescale> next_softmax;
+      // A branch ptxas cannot fold (the count is broadcast, so it is unknown to be positive)
+      // keeps the softmax in blocks of its own: ptxas would otherwise sink the exponentials
+      // below the epilogue's wait for the P V.
+      if (__shfl_sync(0xffffffff, next.n_blocks, 0) > 0) {
+        s_done(next, next.n_blocks - 1);
+        to_probabilities(cute::true_type{}, next, next.n_blocks - 1, next_softmax);
+      }
+      warpgroup_wait<0>();
       last_pv_done();
       store_tile<T>(p, ss, thread, tile.w, tile.q_slot, v_stage, stage_read_phase, acc_o, softmax);
-      warpgroup_wait<0>();
-      s_issued = true;
+      softmax = next_softmax;
+      started = true;
     } else {
       turns.wait();
       wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
@@ -328,7 +344,7 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
       warpgroup_wait<0>();
       last_pv_done();
       store_tile<T>(p, ss, thread, tile.w, tile.q_slot, v_stage, stage_read_phase, acc_o, softmax);
-      s_issued = false;
+      started = false;
     }
     tile = T::kQSlots > 1 ? next : next_tile();
   }
