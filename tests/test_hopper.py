@@ -78,6 +78,18 @@ def test_smem_formula():
     assert HOPPER.smem_bytes(biased) == 2 * (128 * 128 + 2 * 128 * 256 + 2 * 128 * 128) + 2 * 1024 + 1008
 
 
+def test_q_slots_only_with_three_consumer_warpgroups():
+    """Two Q slots (the next tile's Q a tile ahead) where three consumers leave room beside O's
+    own buffer; two consumers keep one, though d 128 at 128 x 128 would fit a second (measured
+    slower, docs/perf.md v11)."""
+    d64 = hopper(d_qk=64, d_v=64, tile_m=192, warps=16, stages=3)
+    assert HOPPER.q_slots(d64) == 2
+    assert HOPPER.smem_bytes(d64) == 2 * (2 * 192 * 64 + 3 * 128 * 128 + 192 * 64) + 1024 + 1008
+    assert HOPPER.q_slots(hopper()) == 1
+    assert HOPPER.q_slots(hopper(d_qk=64, d_v=64, stages=3)) == 1
+    assert HOPPER.q_slots(hopper(d_qk=64, d_v=64, tile_m=192, warps=16, stages=2, bias="additive")) == 1
+
+
 def test_default_specs_give_biased_variants_their_own_tiles():
     # First tunings only (a variant's others are chosen per call by shape).
     variants = [v.descriptor for v in load_variants(REPO / "specs")
