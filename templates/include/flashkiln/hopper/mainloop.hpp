@@ -74,11 +74,16 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       return Barrier::try_wait(&ss.q_empty[q_slot.stage], q_slot.phase ^ 1);
     };
     // Name the tile to the consumers (the end, or no keys: O = 0) and load its Q, into the free
-    // slot. The q_full arrival releases the store of the tile index.
+    // slot. The q_full arrival releases the store of the tile's coordinates, which the producer
+    // decodes so that the consumers' integer divisions stay off their tile boundary.
     auto publish = [&] {
       const int slot = q_slot.stage;
       q_slot.advance();
-      *reinterpret_cast<volatile int*>(&ss.tile[slot]) = tile;
+      volatile int* named = ss.tile[slot];
+      named[0] = w.row0;
+      named[1] = w.head;
+      named[2] = w.batch;
+      named[3] = valid ? n_blocks : -1;
       if (n_blocks == 0) {
         Barrier::arrive(&ss.q_full[slot]);
         return;
@@ -165,7 +170,6 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 template <class T>
 __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread) {
   using portable::convert_fragment;
-  const auto sched = make_scheduler<T>(p);
   typename T::TiledMmaS mma_s;
   typename T::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(thread);
@@ -207,10 +211,10 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     t.q_slot = q_slot.stage;
     Barrier::wait(&ss.q_full[q_slot.stage], q_slot.phase);
     q_slot.advance();
-    const int tile = *reinterpret_cast<volatile int*>(&ss.tile[t.q_slot]);
-    t.valid = sched.valid(tile);
-    t.w = t.valid ? sched.decode(tile) : WorkTile{0, 0, 0};
-    t.n_blocks = t.valid ? key_tiles<T>(p, t.w.row0) : 0;
+    volatile int const* named = ss.tile[t.q_slot];
+    t.w = WorkTile{named[0], named[1], named[2]};
+    t.valid = named[3] >= 0;
+    t.n_blocks = max(named[3], 0);
     return t;
   };
   // S of the current key tile (kv.stage, landed) from the Q in `slot`, as one wgmma group.

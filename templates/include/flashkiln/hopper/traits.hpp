@@ -114,7 +114,9 @@ struct FwdTraits {
     uint64_t k_empty[kStages];    // the consumers finished reading the stage's K
     uint64_t v_empty[kStages];    // ... and its V
     uint64_t stage_read;          // every consumer finished its tile's last GEMMs (O staged in that stage)
-    int tile[kQSlots];            // the work tile of the slot's Q (valid once its q_full completes)
+    // The work tile of the slot's Q as (row0, head, batch, key tiles; -1: no tiles left), decoded
+    // by the producer (valid once the slot's q_full completes).
+    int tile[kQSlots][4];
     cute::conditional_t<kBias, BiasRing, NoBias> bias;
   };
   template <int kQSlots_>
