@@ -217,9 +217,19 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     t.n_blocks = max(named[3], 0);
     return t;
   };
-  // S of the current key tile (kv.stage, landed) from the Q in `slot`, as one wgmma group.
+  // S of the current key tile (kv.stage, once landed) from the Q in `slot`, as one wgmma group.
   auto issue_s = [&](int slot) {
+    Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+    turns.wait();
     wgmma_gemm<true>(mma_s, slot == 0 ? tSrQ0 : tSrQ1, tSrK(_, _, _, kv.stage), acc_s);
+  };
+  // One turn: S of the current key tile, then O += P V of the V stage v_stage; returns once S
+  // has landed (waiting for all but the last group), with P V still running.
+  auto issue_s_and_pv = [&](int slot, int v_stage) {
+    issue_s(slot);
+    wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
+    turns.pass();
+    warpgroup_wait<1>();
   };
   // Once S of key tile n_block is in acc_s, its K stage is free (but for the last key tile's where
   // O is staged there) and the Q slot after the last, and the stage's bias tile joins the scores.
@@ -257,10 +267,11 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   // Whether the previous tile's last turn already turned this tile's first key tile into
   // probabilities (in acc_s and softmax).
   bool started = false;
-  portable::OnlineSoftmax<kRows, T::kLazyRescale> softmax;
+  using Softmax = portable::OnlineSoftmax<kRows, T::kLazyRescale>;
+  Softmax softmax;
   while (tile.valid) {
     if (!started) {
-      softmax = portable::OnlineSoftmax<kRows, T::kLazyRescale>{};
+      softmax = Softmax{};
     }
     clear(acc_o);
     if (tile.n_blocks == 0) {
@@ -273,8 +284,6 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     }
     bool must_rescale = false;
     if (!started) {
-      Barrier::wait(&ss.k_full[kv.stage], kv.phase);
-      turns.wait();
       issue_s(tile.q_slot);
       turns.pass();
       warpgroup_wait<0>();
@@ -303,12 +312,7 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
         break;
       }
       // S of the next key tile first, so that waiting for all but one GEMM waits for S alone.
-      Barrier::wait(&ss.k_full[kv.stage], kv.phase);
-      turns.wait();
-      issue_s(tile.q_slot);
-      wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
-      turns.pass();
-      warpgroup_wait<1>();
+      issue_s_and_pv(tile.q_slot, v_stage);
       s_done(tile, n_block - 1);
       must_rescale = to_probabilities(cute::false_type{}, tile, n_block - 1, softmax);
     }
@@ -322,13 +326,8 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     if (T::kQSlots > 1 && next.n_blocks > 0) {
       // The next tile's first S, then this tile's last P V; the next tile's first softmax runs
       // under that P V, and this tile's epilogue follows.
-      Barrier::wait(&ss.k_full[kv.stage], kv.phase);
-      turns.wait();
-      issue_s(next.q_slot);
-      wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
-      turns.pass();
-      warpgroup_wait<1>();
-      portable::OnlineSoftmax<kRows, T::kLazyRescale> next_softmax;
+      issue_s_and_pv(next.q_slot, v_stage);
+      Softmax next_softmax;
       // A branch ptxas cannot fold (the count is broadcast, so it is unknown to be positive)
       // keeps the softmax in blocks of its own: ptxas would otherwise sink the exponentials
       // below the epilogue's wait for the P V.
