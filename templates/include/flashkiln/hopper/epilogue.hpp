@@ -90,7 +90,7 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
       Barrier::arrive(&ss.k_empty[last_stage]);
       Barrier::arrive(&ss.v_empty[last_stage]);
     } else {
-      Barrier::arrive(&ss.q_empty[q_slot]);  // (and the tile index it read)
+      Barrier::arrive(&ss.q_empty[q_slot]);  // (and the tile record it read)
     }
   }
 

@@ -36,7 +36,7 @@ __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
     CUTE_UNROLL
     for (int s = 0; s < T::kQSlots; ++s) {
       Barrier::init(&ss.q_full[s], 1);
-      // A Q slot (and its tile index) is released by every consumer thread after its tile's last
+      // A Q slot (and its tile record) is released by every consumer thread after its tile's last
       // S (a tile without keys: once O's stores have read it, where O has no buffer of its own).
       Barrier::init(&ss.q_empty[s], T::kConsumerThreads);
     }

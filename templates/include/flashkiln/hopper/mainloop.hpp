@@ -64,7 +64,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     const bool valid = sched.valid(tile);
     const WorkTile w = valid ? sched.decode(tile) : WorkTile{0, 0, 0};
     const int n_blocks = valid ? key_tiles<T>(p, w.row0) : 0;
-    // Whether the consumers have released the next Q slot (and its tile index), waiting for it
+    // Whether the consumers have released the next Q slot (and its tile record), waiting for it
     // if `block`; a slot's first use finds it free.
     auto q_free = [&](bool block) {
       if (block) {
