@@ -70,6 +70,8 @@ def load(path: Path, display_name: str | None = None) -> Any:
         mark = exc.problem_mark or exc.context_mark
         where = Where(file, mark.line + 1 if mark else 1)
         raise YamlSyntaxError(where, f"not valid YAML: {exc.problem or exc.context}") from None
-    if node is None:
-        return LocatedDict()
+    if node is None:  # an empty document: an empty mapping, located at its first line
+        empty = LocatedDict()
+        empty.where, empty.key_where = Where(file, 1), {}
+        return empty
     return _convert(node, file, yaml.SafeLoader(""))

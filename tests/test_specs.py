@@ -178,6 +178,12 @@ def test_missing_top_level_key(tmp_path):
     assert_reported(error, SPEC, 1, "tuning", "required key is missing")
 
 
+def test_empty_spec_file_reports_its_missing_keys(tmp_path):
+    error = spec_error(tmp_path, "")
+    for key in ("family", "tuning", "variants"):
+        assert_reported(error, SPEC, 1, key, "required key is missing")
+
+
 def test_empty_axis_list(tmp_path):
     error = spec_error(tmp_path, GOOD_SPEC.replace("causal: [none]", "causal: []"))
     assert_reported(error, SPEC, 8, "variants[0].causal", "empty list")
