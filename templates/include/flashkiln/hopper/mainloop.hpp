@@ -258,8 +258,7 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   auto to_probabilities = [&](auto first, Tile const& t, int n_block, auto& softmax) {
     if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(t.w.row0, n_block * T::kBlockN,
                                                                 p.seqlen_k, causal_offset)) {
-      mask_scores<T::kCausal>(rowcol(acc_s), tScS, t.w.row0, n_block * T::kBlockN,
-                                        p.seqlen_k, causal_offset);
+      mask_scores<T::kCausal>(rowcol(acc_s), tScS, t.w.row0, n_block * T::kBlockN, p.seqlen_k, causal_offset);
     }
     return softmax.template exponentiate<decltype(first)::value>(rowcol(acc_s), p.scale_log2, rescale);
   };
