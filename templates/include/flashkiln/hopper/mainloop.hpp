@@ -61,51 +61,83 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   const auto sched = make_scheduler<T>(p);
   PipelineState<T::kStages> kv;
   PipelineState<T::kQSlots> q_slot;  // the slot of the next tile's Q, in tile order
-  for (int tile = sched.first();; tile = sched.next(tile)) {
+
+  struct Claimed {
+    int tile;
+    bool valid;  // false: the schedule's end
+    WorkTile w;
+    int n_blocks;
+  };
+  auto claim = [&](int tile) {
     const bool valid = sched.valid(tile);
     const WorkTile w = valid ? sched.decode(tile) : WorkTile{0, 0, 0};
-    const int n_blocks = valid ? key_tiles<T>(p, w.row0) : 0;
-    // Whether the consumers have released the next Q slot (and its tile record), waiting for it
-    // if `block`; a slot's first use finds it free.
-    auto q_free = [&](bool block) {
-      if (block) {
-        Barrier::wait(&ss.q_empty[q_slot.stage], q_slot.phase ^ 1);
-        return true;
+    return Claimed{tile, valid, w, valid ? key_tiles<T>(p, w.row0) : 0};
+  };
+  // Whether the consumers have released the next Q slot (and its tile record), waiting for it
+  // if `block`; a slot's first use finds it free.
+  auto q_free = [&](bool block) {
+    if (block) {
+      Barrier::wait(&ss.q_empty[q_slot.stage], q_slot.phase ^ 1);
+      return true;
+    }
+    return Barrier::try_wait(&ss.q_empty[q_slot.stage], q_slot.phase ^ 1);
+  };
+  // Name a tile to the consumers (the end, or no keys: O = 0) and load its Q, into the free
+  // slot. The q_full arrival releases the store of the tile's coordinates, which the producer
+  // decodes so that the consumers' integer divisions stay off their tile boundary.
+  auto publish = [&](Claimed const& t) {
+    const int slot = q_slot.stage;
+    q_slot.advance();
+    volatile int* named = ss.tile[slot];
+    named[0] = t.w.row0;
+    named[1] = t.w.head;
+    named[2] = t.w.batch;
+    named[3] = t.valid ? t.n_blocks : -1;
+    if (t.n_blocks == 0) {
+      Barrier::arrive(&ss.q_full[slot]);
+      return;
+    }
+    TxBarrier::arrive_and_expect_tx(&ss.q_full[slot], T::kBytesQ);
+    CUTE_UNROLL
+    for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
+      tma_load(&p.tma_q, &ss.q_full[slot], ss.q + slot * T::kElemsQ + c * T::kBlockM * T::kBoxCols,
+               c * T::kBoxCols, t.w.row0, t.w.head, t.w.batch);
+    }
+  };
+  // With two Q slots a tile is claimed and named during the last key tile of the one before:
+  // its Q goes to the slot that the tile before that released, so it loads a tile ahead and the
+  // claim's atomic is off the tile boundary. With one slot, the tile's Q waits for its own slot
+  // (after the previous tile's last S), so a tile is claimed after the previous one's loads.
+  constexpr bool kNameAhead = T::kQSlots > 1;
+  Claimed cur = claim(sched.first());
+  if (kNameAhead) {
+    publish(cur);
+  }
+  for (;;) {
+    if (cur.n_blocks == 0) {
+      if (!kNameAhead) {
+        q_free(true);
+        publish(cur);
       }
-      return Barrier::try_wait(&ss.q_empty[q_slot.stage], q_slot.phase ^ 1);
-    };
-    // Name the tile to the consumers (the end, or no keys: O = 0) and load its Q, into the free
-    // slot. The q_full arrival releases the store of the tile's coordinates, which the producer
-    // decodes so that the consumers' integer divisions stay off their tile boundary.
-    auto publish = [&] {
-      const int slot = q_slot.stage;
-      q_slot.advance();
-      volatile int* named = ss.tile[slot];
-      named[0] = w.row0;
-      named[1] = w.head;
-      named[2] = w.batch;
-      named[3] = valid ? n_blocks : -1;
-      if (n_blocks == 0) {
-        Barrier::arrive(&ss.q_full[slot]);
+      if (!cur.valid) {
         return;
       }
-      TxBarrier::arrive_and_expect_tx(&ss.q_full[slot], T::kBytesQ);
-      CUTE_UNROLL
-      for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
-        tma_load(&p.tma_q, &ss.q_full[slot], ss.q + slot * T::kElemsQ + c * T::kBlockM * T::kBoxCols,
-                 c * T::kBoxCols, w.row0, w.head, w.batch);
-      }
-    };
-    if (n_blocks == 0) {
-      q_free(true);
-      publish();
-      if (!valid) {
-        return;
+      cur = claim(sched.next(cur.tile));
+      if (kNameAhead) {
+        q_free(true);
+        publish(cur);
       }
       continue;
     }
+    const WorkTile w = cur.w;
+    const int n_blocks = cur.n_blocks;
     const int head_kv = w.head / group;
+    Claimed next;
+    int ahead = 0;  // the next tile, claimed at the start of this tile's last key tile
     for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+      if (kNameAhead && n_block == 0) {
+        ahead = sched.next(cur.tile);  // its atomic's latency passes under the waits below
+      }
       Barrier::wait(&ss.k_empty[kv.stage], kv.phase ^ 1);
       TxBarrier::arrive_and_expect_tx(&ss.k_full[kv.stage], T::kBytesK);
       CUTE_UNROLL
@@ -133,18 +165,17 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
                    c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
         }
       };
-      if (n_block == n_blocks - 1) {
+      if (!kNameAhead && n_block == n_blocks - 1) {
         // The tile's first K (and bias) tiles load while the consumers still finish the previous
         // work tile; then its Q and its first V, whichever buffer frees up first. Q's slot frees
-        // with the last S of the tile that used it before (the previous tile with one slot, the
-        // one before that with two; after its epilogue if that tile had no keys), the V stage
-        // kStages - 2 key tiles before the previous tile's end; the tile's first S needs Q, its
-        // first P V comes a softmax later. Q after V cost up to 5% at S <= 2k (docs/perf.md, v9).
+        // with the previous tile's last S (after its epilogue if that tile had no keys), the V
+        // stage kStages - 2 key tiles before the previous tile's end; the tile's first S needs Q,
+        // its first P V comes a softmax later. Q after V cost up to 5% at S <= 2k (docs/perf.md, v9).
         bool q_pending = true;
         bool v_pending = true;
         while (q_pending || v_pending) {
           if (q_pending && q_free(false)) {
-            publish();
+            publish(cur);
             q_pending = false;
           }
           if (v_pending && Barrier::try_wait(&ss.v_empty[kv.stage], kv.phase ^ 1)) {
@@ -157,7 +188,15 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
         load_v();
       }
       kv.advance();
+      if (kNameAhead && n_block == 0) {
+        // Right after this tile's last loads, before the next tile's first K: the Q slot is free
+        // by now (released with the last S of the tile before this one).
+        next = claim(ahead);
+        q_free(true);
+        publish(next);
+      }
     }
+    cur = kNameAhead ? next : claim(sched.next(cur.tile));
   }
 }
 
