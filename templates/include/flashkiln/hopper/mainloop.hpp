@@ -263,10 +263,23 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     turns.wait();
     wgmma_gemm<true>(mma_s, slot == 0 ? tSrQ0 : tSrQ1, tSrK(_, _, _, kv.stage), acc_s);
   };
+  // O rescaled to the row maxima of the P about to join it, where the softmax asked for it.
+  float rescale[kRows];
+  auto rescale_o = [&](bool must_rescale, auto& softmax) {
+    if (must_rescale) {
+      softmax.rescale_output(rowcol(acc_o), rescale);
+    }
+  };
   // One turn: S of the current key tile, then O += P V of the V stage v_stage; returns once S
-  // has landed (waiting for all but the last group), with P V still running.
-  auto issue_s_and_pv = [&](int slot, int v_stage) {
+  // has landed (waiting for all but the last group), with P V still running. A lazy rescale (a
+  // warp vote, rarely a rescale) sits between the two GEMMs, off the path to S: +0.5-1% at d 128
+  // and 256. At d 64, which rescales every step, that measured 1% slower at S 1k than the head
+  // of the step (docs/perf.md, v12), where it stays.
+  auto issue_s_and_pv = [&](int slot, int v_stage, bool must_rescale, auto& softmax) {
     issue_s(slot);
+    if constexpr (T::kLazyRescale) {
+      rescale_o(must_rescale, softmax);
+    }
     wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
     turns.pass();
     warpgroup_wait<1>();
@@ -291,9 +304,8 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
       Barrier::arrive(&ss.bias.empty[kv.stage]);
     }
   };
-  // Scores of key tile n_block to probabilities; O is rescaled (rescale_output) where
-  // `exponentiate` asks for it, once no GEMM accumulates into it.
-  float rescale[kRows];
+  // Scores of key tile n_block to probabilities; O is rescaled (rescale_o) where `exponentiate`
+  // asks for it, once no GEMM accumulates into it.
   auto to_probabilities = [&](auto first, Tile const& t, int n_block, auto& softmax) {
     if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(t.w.row0, n_block * T::kBlockN,
                                                                 p.seqlen_k, causal_offset)) {
@@ -340,8 +352,8 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
       if (v_stage >= 0) {
         Barrier::arrive(&ss.v_empty[v_stage]);
       }
-      if (must_rescale) {
-        softmax.rescale_output(rowcol(acc_o), rescale);
+      if constexpr (!T::kLazyRescale) {
+        rescale_o(must_rescale, softmax);
       }
       p_regs = convert_fragment<typename T::Element>(acc_s);
       v_stage = kv.stage;
@@ -351,7 +363,7 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
         break;
       }
       // S of the next key tile first, so that waiting for all but one GEMM waits for S alone.
-      issue_s_and_pv(tile.q_slot, v_stage);
+      issue_s_and_pv(tile.q_slot, v_stage, must_rescale, softmax);
       s_done(tile, n_block - 1);
       must_rescale = to_probabilities(cute::false_type{}, tile, n_block - 1, softmax);
     }
@@ -365,7 +377,7 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     if (T::kQSlots > 1 && next.n_blocks > 0) {
       // The next tile's first S, then this tile's last P V; the next tile's first softmax runs
       // under that P V, and this tile's epilogue follows.
-      issue_s_and_pv(next.q_slot, v_stage);
+      issue_s_and_pv(next.q_slot, v_stage, must_rescale, softmax);
       Softmax next_softmax;
       // A branch ptxas cannot fold (the count is broadcast, so it is unknown to be positive)
       // keeps the softmax in blocks of its own: ptxas would otherwise sink the exponentials
@@ -380,6 +392,9 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
       softmax = next_softmax;
       started = true;
     } else {
+      if constexpr (T::kLazyRescale) {
+        rescale_o(must_rescale, softmax);
+      }
       turns.wait();
       wgmma_gemm<false>(mma_o, tOrP, tOrV(_, _, _, v_stage), acc_o);
       turns.pass();
