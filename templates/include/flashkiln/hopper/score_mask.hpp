@@ -8,6 +8,7 @@
 #include <cute/tensor.hpp>
 
 #include <flashkiln/common.hpp>
+#include <flashkiln/portable/masking.hpp>
 
 namespace flashkiln::hopper {
 
@@ -23,10 +24,8 @@ __device__ __forceinline__ void mask_scores(TensorS&& s, Coord const& coord, int
   const int c0 = get<1>(coord(0, 0));
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s); ++r) {
-    int limit = seqlen_k - col0;  // first hidden column of the tile
-    if constexpr (kCausal != Causal::none) {
-      limit = min(limit, row0 + get<0>(coord(r, 0)) + causal_offset + 1 - col0);
-    }
+    const int limit =
+        portable::first_hidden_column<kCausal>(row0 + get<0>(coord(r, 0)), col0, seqlen_k, causal_offset);
     // Entries kept: those whose column offset 8 * (i / 2) + i % 2 lies below limit - c0.
     const int t = max(limit - c0, 0);
     const int kept = 2 * (t / 8) + min(t % 8, 2);
