@@ -6,6 +6,11 @@ runtime takes the tuning with the least estimated time: the (query, key) pairs i
 counts the padding of partial tiles and of tiles cut by a causal diagonal, over its relative
 speed. Short sequences are where tiles that divide them evenly win (S = 1024 in 160-key tiles
 computes 1120 keys per row).
+
+The count is per work tile: it leaves out that the hopper family's causal tiles of 192 x 128 and
+128 x 80 skip, per consumer warpgroup, the key tiles its 64 rows cannot see (hopper/traits.hpp,
+kSkipHidden). Counted, that would move the choice (d 64's) only at bottom-right shapes with
+S_q <= 256, to the 192-row tiles.
 """
 from __future__ import annotations
 

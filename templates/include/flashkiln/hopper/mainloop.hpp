@@ -34,18 +34,26 @@ __device__ __forceinline__ TileScheduler<T::kCausal != Causal::none> make_schedu
   return {p.num_m_blocks, p.heads_q, p.batch, p.tile_counter, T::kBlockM, row_shift};
 }
 
-// Key tiles a query tile (first row row0) needs: all of them, or those up to its last visible
-// key (0: none).
+// Key tiles the `rows` query rows from row0 need (a work tile's, by default): all of them, or
+// those up to their last visible key (0: none).
 template <class T>
-__device__ __forceinline__ int key_tiles(HopperFwdParams const& p, int row0) {
+__device__ __forceinline__ int key_tiles(HopperFwdParams const& p, int row0, int rows = T::kBlockM) {
   int n_blocks = ceil_div(p.seqlen_k, T::kBlockN);
   if constexpr (T::kCausal != Causal::none) {
     const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
-    const int last_row = min(p.seqlen_q, row0 + T::kBlockM) - 1;
+    const int last_row = min(p.seqlen_q, row0 + rows) - 1;
     const int last_visible = last_row + causal_offset;
     n_blocks = last_visible < 0 ? 0 : min(n_blocks, last_visible / T::kBlockN + 1);
   }
   return n_blocks;
+}
+
+// Key tiles consumer warpgroup `warpgroup` computes of the work tile at row0 (traits.hpp,
+// kSkipHidden): those its own 64 rows see, but at least the tile's last, which holds the tile's
+// O stage and Q release (a warpgroup whose rows see no key computes it fully masked).
+template <class T>
+__device__ __forceinline__ int warpgroup_key_tiles(HopperFwdParams const& p, int row0, int warpgroup) {
+  return max(1, key_tiles<T>(p, row0 + 64 * warpgroup, 64));
 }
 
 // One thread of the producer warpgroup: every load of every work tile of this CTA.
@@ -206,7 +214,8 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 // there are turns; the next key tile's softmax runs while this warpgroup's P V and the other
 // warpgroups' GEMMs keep the tensor cores busy. With two Q slots the next tile's Q has landed
 // before this tile's last P V: that turn issues the next tile's first S first, and the next
-// tile's first softmax runs under this tile's last P V, before its epilogue.
+// tile's first softmax runs under this tile's last P V, before its epilogue. Under a causal mask
+// a warpgroup starts a tile at the first key tile its own rows see (kSkipHidden).
 template <class T>
 __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread) {
   using portable::convert_fragment;
@@ -214,11 +223,8 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   typename T::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(thread);
   auto thr_o = mma_o.get_thread_slice(thread);
-  // Shared-memory descriptors: Q's per slot (the same slot where there is one), K's and V's as
-  // (MMA, N, K, stage).
-  Tensor tSrQ0 = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQ{}));
-  Tensor tSrQ1 = thr_s.partition_fragment_A(
-      make_tensor(make_smem_ptr(ss.q + (T::kQSlots - 1) * T::kElemsQ), typename T::SmemLayoutQ{}));
+  // Shared-memory descriptors as (MMA, M or N, K, slot or stage).
+  Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQ{}));
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename T::SmemLayoutVt{});
   Tensor tSrK = thr_s.partition_fragment_B(sK);
@@ -241,11 +247,12 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
 
   struct Tile {
     WorkTile w;
-    int n_blocks;  // key tiles (0: none)
+    int n_blocks;  // key tiles this warpgroup computes (0: the tile has none)
     int q_slot;
     bool valid;    // false: no tiles are left
   };
-  // The next tile, once the producer names it (its Q has landed with the name).
+  // The next tile, once the producer names it (its Q has landed with the name), past the key
+  // tiles this warpgroup skips.
   auto next_tile = [&] {
     Tile t;
     t.q_slot = q_slot.stage;
@@ -255,13 +262,37 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     t.w = WorkTile{named[0], named[1], named[2]};
     t.valid = named[3] >= 0;
     t.n_blocks = max(named[3], 0);
+    if constexpr (T::kSkipHidden) {
+      // The warpgroup broadcast, so that the compiler knows it is warp-uniform: the pipeline
+      // state that depends on it stays in uniform registers.
+      const int own = warpgroup_key_tiles<T>(p, t.w.row0, __shfl_sync(0xffffffff, thread / 128, 0));
+      CUTE_UNROLL
+      for (int i = 0; i < T::kMaxSkipped; ++i) {
+        if (t.n_blocks > own) {
+          // Released once landed: an arrival before that could count toward the stage's
+          // previous use, which other warpgroups may still be reading.
+          Barrier::wait(&ss.k_full[kv.stage], kv.phase);
+          Barrier::arrive(&ss.k_empty[kv.stage]);
+          if constexpr (T::kBias) {
+            Barrier::wait(&ss.bias.full[kv.stage], kv.phase);
+            Barrier::arrive(&ss.bias.empty[kv.stage]);
+          }
+          Barrier::wait(&ss.v_full[kv.stage], kv.phase);
+          Barrier::arrive(&ss.v_empty[kv.stage]);
+          kv.advance();
+          --t.n_blocks;
+          turns.wait();  // the turn of the key tile's S: every warpgroup takes the same count
+          turns.pass();
+        }
+      }
+    }
     return t;
   };
   // S of the current key tile (kv.stage, once landed) from the Q in `slot`, as one wgmma group.
   auto issue_s = [&](int slot) {
     Barrier::wait(&ss.k_full[kv.stage], kv.phase);
     turns.wait();
-    wgmma_gemm<true>(mma_s, slot == 0 ? tSrQ0 : tSrQ1, tSrK(_, _, _, kv.stage), acc_s);
+    wgmma_gemm<true>(mma_s, tSrQ(_, _, _, slot), tSrK(_, _, _, kv.stage), acc_s);
   };
   // O rescaled to the row maxima of the P about to join it, where the softmax asked for it.
   float rescale[kRows];

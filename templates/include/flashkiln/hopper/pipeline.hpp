@@ -43,7 +43,8 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // warpgroup's softmax runs while the tensor cores serve the others. Warpgroup w's turn is the
 // named barrier kFirstId + w over its 128 threads and the previous warpgroup's 128, which arrive
 // when they pass the turn on. Every warpgroup takes the same number of turns (they share each
-// work tile's key tiles); the last one's final pass is never waited for.
+// work tile's key tiles; one that skips a key tile passes its turn); the last one's final pass is
+// never waited for.
 template <int kWarpgroups>
 struct WarpgroupTurns {
   static constexpr int kFirstId = 4;  // ids 1-3: the epilogue's per-warpgroup barriers

@@ -41,6 +41,15 @@ struct FwdTraits {
   // (d = 64) measured 0-2% slower with turns than without.
   static constexpr bool kPingPong = kConsumerWarpgroups == 2;
   static constexpr int kTurns = kPingPong ? kConsumerWarpgroups : 1;  // 1: no turns
+  // Under a causal mask each consumer warpgroup may skip the key tiles its own 64 rows cannot see
+  // (the tile's last, which run first), though the tile's lower rows need them; it only releases
+  // their stages and passes their turns (mainloop.hpp). It does where the top warpgroup skips a
+  // key tile in most work tiles, (kBlockM - 64) / kBlockN > 1/2: 192 x 128 (d 64: +3% at S 1k)
+  // and 128 x 80 (d 256: +1.5-2.5% at S 1-2k). At d 128 (128 x 160: 2 tiles in 5; 128 x 128:
+  // every tile or none, by the rows' alignment) it measured 1% slower at S 1-2k (docs/perf.md,
+  // v13). A warpgroup's last row is at most kBlockM - 64 above the tile's.
+  static constexpr bool kSkipHidden = kCausal != Causal::none && 2 * (kBlockM - 64) > kBlockN;
+  static constexpr int kMaxSkipped = kSkipHidden ? (kBlockM - 64 + kBlockN - 1) / kBlockN : 0;
   // The online softmax rescales O only when a row maximum outgrows its reference by 2^8
   // (portable/online_softmax.hpp): +1-2.5% at d_v 128 and 256; at d_v 64, with 32 accumulators
   // of O per thread, the warp vote costs more than the multiplications it skips (-4-7%).
@@ -58,7 +67,6 @@ struct FwdTraits {
   static_assert(!kBias || kBlockN % kBoxCols == 0, "bias tiles load in whole 64-key boxes");
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns, 128-byte swizzle
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDimQK>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimQK>, Int<kStages>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimV>, Int<kStages>>{}));
   // V read as the B operand of P V: (d_v, keys, stage), d_v contiguous (MN-major).
@@ -133,6 +141,10 @@ struct FwdTraits {
                 "without its own buffer, O is staged in a K/V stage");
   static_assert(kOwnO || kElemsO <= kElemsQ, "a tile without keys stages O in its Q slot");
   using SharedStorage = cute::conditional_t<kOwnO, StorageQKVO<kQSlots>, StorageQKV<kQSlots>>;
+  // Q as (rows, head dim, slot), like K's stages: a slot's wgmma descriptors are computed from
+  // its index. A choice between two descriptor sets became a local-memory array in the d 64
+  // kernels, read before every S.
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDimQK>, Int<kQSlots>>{}));
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kAlignSlack;
 };
 
