@@ -17,22 +17,30 @@ pytestmark = pytest.mark.gpu
 _repro = partial(repro_line, "test_forward_gpu.py")
 
 HEAD_DIMS = (64, 128, 256)
+# With d_qk != d_v (192/128, as in DeepSeek's MLA): for the tests whose inputs come from _inputs.
+ALL_HEAD_DIMS = (64, 128, (192, 128), 256)
+
+
+def head_dim_id(d: int | tuple[int, int]) -> str:
+    return str(d) if isinstance(d, int) else f"{d[0]}x{d[1]}"
 CAUSAL = (None, "top_left", "bottom_right")
 # Tails, tile boundaries and S_q != S_k in both directions (CONVENTIONS.md's S set).
 SEQLENS = [(1, 1), (17, 17), (113, 113), (128, 128), (129, 129), (1023, 1023), (4224, 4224),
            (1, 4224), (4224, 1), (17, 129), (129, 17), (113, 1023), (1023, 113), (128, 4224), (4224, 128)]
 
 
-def _inputs(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, d: int, dtype: torch.dtype,
+def _inputs(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, d: int | tuple[int, int], dtype: torch.dtype,
             layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v; d is the head dim, or (d_qk, d_v)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    d_qk, d_v = (d, d) if isinstance(d, int) else d
 
-    def make(h: int, s: int) -> torch.Tensor:
+    def make(h: int, s: int, dim: int) -> torch.Tensor:
         if layout == "bshd":  # (B, S, H, D) storage seen as (B, H, S, D)
-            return torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
-        return torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen)
+            return torch.randn(b, s, h, dim, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+        return torch.randn(b, h, s, dim, device="cuda", dtype=dtype, generator=gen)
 
-    return make(hq, sq), make(hkv, sk), make(hkv, sk)
+    return make(hq, sq, d_qk), make(hkv, sk, d_qk), make(hkv, sk, d_v)
 
 
 def _poisoned_outputs(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,7 +74,7 @@ def _check_forward(q, k, v, causal, scale, repro: str, backend: str | None = Non
     assert (got_out[ref32.empty_rows] == 0).all(), f"rows that see no key are not 0\n{repro}"
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", ALL_HEAD_DIMS, ids=head_dim_id)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -82,7 +90,7 @@ def test_sweep_gqa(backend, dtype, sq, sk, causal, d):
 @pytest.mark.parametrize("hq,hkv", [(6, 1), (6, 6)], ids=["mqa6-1", "mha6"])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", [(129, 129), (1023, 4224), (4224, 1023)])
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", ALL_HEAD_DIMS, ids=head_dim_id)
 def test_heads(d, sq, sk, causal, hq, hkv):
     seed = seed_of("heads", d, sq, sk, causal, hq, hkv)
     q, k, v = _inputs(seed, 2, hq, hkv, sq, sk, d, torch.bfloat16)
@@ -91,7 +99,7 @@ def test_heads(d, sq, sk, causal, hq, hkv):
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", ALL_HEAD_DIMS, ids=head_dim_id)
 def test_bshd_layout_and_scale(d, causal):
     """(B, S, H, D) storage in, same memory order out; a custom scale."""
     seed = seed_of("bshd", d, causal)

@@ -35,7 +35,7 @@ def test_default_hopper_specs_cover_the_forward_contract():
     variants = [v.descriptor for v in load_variants(REPO / "specs")
                 if v.descriptor.family == "hopper" and v.relative_speed == 1]
     assert {(d.kernel, d.arch) for d in variants} == {("fwd", "sm_90a")}
-    assert {d.d_qk for d in variants} == {64, 128, 256}
+    assert {(d.d_qk, d.d_v) for d in variants} == {(64, 64), (128, 128), (192, 128), (256, 256)}
     assert {d.causal for d in variants} == {"none", "top_left", "bottom_right"}
     assert {d.dtype for d in variants} == {"fp16", "bf16"}
     assert all(not HOPPER.functional_errors(d) and not HOPPER.tuning_errors(d) for d in variants)
@@ -96,7 +96,7 @@ def test_default_specs_give_biased_variants_their_own_tiles():
                 if v.descriptor.family == "hopper" and v.relative_speed == 1]
     biased = {d.d_qk: d.tile_n for d in variants if d.bias == "additive"}
     plain = {d.d_qk: d.tile_n for d in variants if d.bias == "none"}
-    assert biased == {64: 128, 128: 128, 256: 64} and plain == {64: 128, 128: 160, 256: 80}
+    assert biased == {64: 128, 128: 128, 192: 64, 256: 64} and plain == {64: 128, 128: 160, 192: 128, 256: 80}
 
 
 # -- parameter block -----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 import flashkiln
 from reference import attention_reference, fa_style_check, repro_line, seed_of
-from test_forward_gpu import CAUSAL, HEAD_DIMS, _check_forward, _inputs
+from test_forward_gpu import ALL_HEAD_DIMS, CAUSAL, HEAD_DIMS, _check_forward, _inputs, head_dim_id
 
 pytestmark = pytest.mark.gpu
 _repro = partial(repro_line, "test_hopper_forward_gpu.py")
@@ -25,7 +25,7 @@ def _needs_hopper():
 
 @pytest.mark.parametrize("hq,hkv", [(6, 1), (6, 6)], ids=["mqa6-1", "mha6"])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", ALL_HEAD_DIMS, ids=head_dim_id)
 def test_heads_and_bshd_layout(d, causal, hq, hkv):
     """MQA and MHA, (B, S, H, D) storage, a custom scale."""
     seed = seed_of("hopper-heads", d, causal, hq, hkv)
@@ -35,7 +35,7 @@ def test_heads_and_bshd_layout(d, causal, hq, hkv):
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", ALL_HEAD_DIMS, ids=head_dim_id)
 def test_families_agree(d, causal):
     """Hopper and portable forwards on the same inputs: both within FA-style(2) of REF32, and close
     to each other (they round P and accumulate in different orders, so not bitwise)."""
@@ -135,7 +135,7 @@ def test_causal_launch_keeps_its_tile_counter():
 
 @pytest.mark.parametrize("sq,sk", [(1023, 1023), (129, 4224), (4224, 129)])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", ALL_HEAD_DIMS, ids=head_dim_id)
 def test_each_tuning_of_a_variant(monkeypatch, d, causal, sq, sk):
     """Each tuning of a variant that has several (specs/tuning/hopper.yaml), forced in turn,
     whichever the shape would pick."""
