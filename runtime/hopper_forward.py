@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from . import inputs, tma
+from . import inputs, tile_choice, tma
 from .backends import forward_family
 from .bias import KernelBias
 from .errors import UnsupportedError
@@ -30,6 +30,8 @@ def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         raise UnsupportedError("the hopper forward needs at least one key")
     bias_map = tma.encode_bias(bias.tensor, tile_m) if bias is not None else tma.BiasMap.none()
     num_m_blocks = ceil_div(sq, tile_m)
+    shift_rows = 0 if causal == "none" else tile_choice.HOPPER_CAUSAL_SHIFT_ROWS
+    row_shift = tile_choice.causal_row_shift(sq, tile_m, shift_rows)
     # Causal tiles differ in length: CTAs claim them from a counter (zeroed here, on the launch's
     # stream) instead of a fixed round robin, which left some CTAs mostly long ones.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if causal != "none" else None
@@ -37,7 +39,7 @@ def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         tma_q=tma.encode(q, tile_m), tma_k=tma.encode(k, tile_n), tma_v=tma.encode(v, tile_n),
         tma_o=tma.encode(out, _O_BOX_ROWS),
         lse=lse.data_ptr(), sink=0 if sink is None else sink.data_ptr(),
-        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, num_m_blocks=num_m_blocks,
+        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, num_m_blocks=num_m_blocks, row_shift=row_shift,
         scale=scale, scale_log2=scale * math.log2(math.e),
         tile_counter=0 if counter is None else counter.data_ptr(),
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step, bias_head_step=bias_map.head_step,

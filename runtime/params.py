@@ -107,13 +107,14 @@ class HopperFwdParams(ctypes.Structure):
         ("seqlen_q", ctypes.c_int32),
         ("seqlen_k", ctypes.c_int32),
         ("num_m_blocks", ctypes.c_int32),
+        ("row_shift", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
         ("tile_counter", ctypes.c_uint64),
         ("bias_row_step", ctypes.c_int32),
         ("bias_head_step", ctypes.c_int32),
         ("bias_batch_step", ctypes.c_int32),
-        ("_pad", ctypes.c_uint8 * 60),
+        ("_pad", ctypes.c_uint8 * 48),
     ]
 
 

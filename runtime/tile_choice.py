@@ -21,9 +21,16 @@ from .manifest import KernelEntry
 
 
 # Under a causal mask the hopper family starts its grid of query tiles above row 0 by the
-# padding rounded down to these rows (a consumer warpgroup's; hopper/mainloop.hpp, make_scheduler),
-# so that the partial tile is the first, shortest one.
+# padding rounded down to these rows (a consumer warpgroup's, so that a warpgroup's rows lie all
+# above row 0 or none: hopper/epilogue.hpp), so that the partial tile is the first, shortest one.
+# The runtime passes the shift to the kernel (HopperFwdParams.row_shift).
 HOPPER_CAUSAL_SHIFT_ROWS = 64
+
+
+def causal_row_shift(seqlen_q: int, tile_m: int, shift_rows: int) -> int:
+    """Rows a causal grid of query tiles starts above row 0: the last tile's padding rounded down
+    to a multiple of shift_rows (0: none)."""
+    return (ceil_div(seqlen_q, tile_m) * tile_m - seqlen_q) // shift_rows * shift_rows if shift_rows else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -36,7 +43,7 @@ def computed_pairs(seqlen_q: int, seqlen_k: int, causal: str, tile_m: int, tile_
     if causal == "none":
         return m_blocks * tile_m * n_blocks * tile_n
     offset = seqlen_k - seqlen_q if causal == "bottom_right" else 0
-    row_shift = (m_blocks * tile_m - seqlen_q) // shift_rows * shift_rows if shift_rows else 0
+    row_shift = causal_row_shift(seqlen_q, tile_m, shift_rows)
     pairs = 0
     for m_block in range(m_blocks):
         last_visible = min(seqlen_q, (m_block + 1) * tile_m - row_shift) - 1 + offset

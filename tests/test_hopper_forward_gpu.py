@@ -117,20 +117,23 @@ def test_auto_takes_hopper_and_falls_back(monkeypatch):
 
 def test_causal_launch_keeps_its_tile_counter():
     """The zeroed counter causal CTAs claim tiles from lives until the launch is enqueued (no
-    caller holds it: freed earlier, the kernel would count in released memory)."""
+    caller holds it: freed earlier, the kernel would count in released memory); the grid's row
+    shift is the one the tile choice counts."""
     from flashkiln import hopper_forward
     from flashkiln.launch import Target
     from flashkiln.registry import default_registry
 
-    q, k, v = _inputs(seed_of("hopper-counter"), 1, 2, 2, 256, 256, 128, torch.bfloat16)
+    q, k, v = _inputs(seed_of("hopper-counter"), 1, 2, 2, 300, 300, 128, torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     launch = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "top_left", 0.1, None, None, Target.of(q),
                                                 default_registry())
     (counter,) = launch.keep_alive
     assert launch.params.tile_counter == counter.data_ptr() and counter.item() == 0
+    tile_m = launch.entry.descriptor["tile_m"]
+    assert launch.params.row_shift == flashkiln.tile_choice.causal_row_shift(300, tile_m, 64) == 64
     plain = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "none", 0.1, None, None, Target.of(q),
                                                default_registry())
-    assert plain.params.tile_counter == 0 and plain.keep_alive == ()
+    assert plain.params.tile_counter == 0 and plain.keep_alive == () and plain.params.row_shift == 0
 
 
 @pytest.mark.parametrize("sq,sk", [(1023, 1023), (129, 4224), (4224, 129)])

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from flashkiln.tile_choice import computed_pairs
+from flashkiln.tile_choice import causal_row_shift, computed_pairs
 
 
 def pairs_by_visible_tiles(sq: int, sk: int, causal: str, tile_m: int, tile_n: int, shift_rows: int) -> int:
@@ -36,3 +36,11 @@ def test_causal_padding_of_tall_tiles_at_short_sequences():
     assert computed_pairs(1024, 1024, "top_left", 192, 128) > 1.3 * computed_pairs(1024, 1024, "top_left", 128, 128)
     # With the partial tile first (rows -128..63, one key tile) its padding costs 8x less.
     assert computed_pairs(1024, 1024, "top_left", 192, 128, shift_rows=64) == 192 * 128 * 27
+
+
+def test_causal_row_shift_is_the_padding_in_whole_shift_rows():
+    assert causal_row_shift(1024, 192, 64) == 128  # 6 tiles of 192 rows pad 128
+    assert causal_row_shift(1000, 192, 64) == 128  # padding 152
+    assert causal_row_shift(1000, 128, 64) == 0    # padding 24
+    assert causal_row_shift(1024, 128, 64) == 0
+    assert causal_row_shift(1000, 192, 0) == 0     # no shift asked

@@ -23,15 +23,15 @@ namespace flashkiln::hopper {
 using namespace cute;
 
 // The work tiles. Under a causal mask the grid of query tiles starts above row 0 by the padding
-// rounded down to whole warpgroups (64 rows), so that a partial tile (seqlen_q not a multiple of
-// tile_m) comes first, where it sees the fewest keys, rather than last, where it sees them all.
-// A warpgroup's 64 rows then either all lie above row 0 (its O stores are skipped) or start at
-// row 0 or later: no TMA store starts at a negative row (one that did died with an illegal
-// instruction; loads may).
+// rounded down to whole warpgroups (64 rows; the runtime computes it, p.row_shift), so that a
+// partial tile (seqlen_q not a multiple of tile_m) comes first, where it sees the fewest keys,
+// rather than last, where it sees them all. A warpgroup's 64 rows then either all lie above row 0
+// (its O stores are skipped) or start at row 0 or later: no TMA store starts at a negative row
+// (one that did died with an illegal instruction; loads may).
 template <class T>
 __device__ __forceinline__ TileScheduler<T::kCausal != Causal::none> make_scheduler(HopperFwdParams const& p) {
-  const int row_shift = T::kCausal != Causal::none ? (p.num_m_blocks * T::kBlockM - p.seqlen_q) / 64 * 64 : 0;
-  return {p.num_m_blocks, p.heads_q, p.batch, p.tile_counter, T::kBlockM, row_shift};
+  return {p.num_m_blocks, p.heads_q, p.batch, p.tile_counter, T::kBlockM,
+          T::kCausal != Causal::none ? p.row_shift : 0};
 }
 
 // Key tiles the `rows` query rows from row0 need (a work tile's, by default): all of them, or

@@ -24,6 +24,9 @@ struct HopperFwdParams {
   uint64_t sink;  // float (heads_q,), or 0
   int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   int32_t num_m_blocks;  // query tiles per head
+  // Rows the grid of query tiles starts above row 0 (a multiple of 64; 0 without a causal mask):
+  // the runtime's flashkiln.tile_choice.causal_row_shift, which its tile choice counts too.
+  int32_t row_shift;
   float scale;           // applied to Q K^T
   float scale_log2;      // scale * log2(e)
   // An int in global memory, zero at launch, from which CTAs claim work tiles past their first
@@ -31,7 +34,7 @@ struct HopperFwdParams {
   // round robin.
   uint64_t tile_counter;
   int32_t bias_row_step, bias_head_step, bias_batch_step;  // 1, or 0 where the bias broadcasts
-  uint8_t _pad[60];      // to a multiple of the descriptors' 64-byte alignment
+  uint8_t _pad[48];      // to a multiple of the descriptors' 64-byte alignment
 };
 
 }  // namespace flashkiln
