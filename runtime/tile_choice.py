@@ -9,8 +9,9 @@ computes 1120 keys per row).
 
 The count is per work tile: it leaves out that the hopper family's causal tiles of 192 x 128 and
 128 x 80 skip, per consumer warpgroup, the key tiles its 64 rows cannot see (hopper/traits.hpp,
-kSkipHidden). Counted, that would move the choice (d 64's) only at bottom-right shapes with
-S_q <= 256, to the 192-row tiles.
+kSkipHidden). Counted, that would move d 64's choice to the 192-row tiles at bottom-right shapes
+with S_q <= 256 and nowhere else in a sweep of S_q up to 2048 (S_k = S_q, S_q + 100, S_q - 50,
+2 S_q).
 """
 from __future__ import annotations
 
