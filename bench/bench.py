@@ -11,7 +11,8 @@ Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/benc
   [--passes fwd bwd] [--extra-kernel-dir LABEL=DIR ...]  (other generated dirs: forward only)
   [--bias full|shared]  (an additive bias and dBias instead, non-causal; with FlexAttention)
   [--varlen]  (packed batches of 16384 tokens in sequences of S/8..S tokens, S the longest; beside
-               torch's efficient backend on nested tensors and FlexAttention with a document mask)
+               torch's efficient backend on nested tensors and FlexAttention with a document mask;
+               forward also flashkiln's portable family, beside the hopper one that auto picks)
 """
 from __future__ import annotations
 
@@ -168,8 +169,13 @@ def varlen_cases(passes: list[str], lengths: list[int], causal: bool) -> dict:
     def flex(q, k, v):
         out = _flex(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=block_mask)
         return out[0].transpose(0, 1)
-    return {(name, p): (fn, False, None) for p in passes for name, fn in
-            (("flashkiln-varlen", kiln), ("efficient-nested", efficient), ("flex-document", flex))}
+    cases = {(name, p): (fn, False, None) for p in passes for name, fn in
+             (("flashkiln-varlen", kiln), ("efficient-nested", efficient), ("flex-document", flex))}
+    if "fwd" in passes:  # flashkiln-varlen's forward runs the hopper family on an H200: the portable one beside it
+        packed = flashkiln.PackedBatch(cu, cu, longest, longest)
+        cases[("flashkiln-varlen-portable", "fwd")] = ((lambda q, k, v: flashkiln.attention_forward(
+            q, k, v, causal=mode, packed=packed, backend="portable")[0]), False, None)
+    return cases
 
 
 def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, KernelRegistry | None]) -> dict:

@@ -87,6 +87,9 @@ class PortableFamily:
             errors.append(f"causal={d.causal}: {d.kernel} does not mask; list it with causal: [none]")
         if d.kernel not in ("fwd", "bwd") and d.bias != "none":
             errors.append(f"bias={d.bias}: {d.kernel} does not read the bias; list it with bias: [none]")
+        if d.packed:
+            errors.append("packed=true: portable kernels read the sequence bounds at run time, so their "
+                          "packed=false kernels take packed batches too")
         return errors
 
     def tuning_errors(self, d: VariantDescriptor) -> list[str]:

@@ -18,7 +18,7 @@ from .families import FAMILIES
 from .toolchain import TEMPLATES_DIR
 
 # Fields that may differ between the variants of one compile unit.
-PER_ENTRY_FIELDS = ("dtype", "causal", "bias", "deterministic")
+PER_ENTRY_FIELDS = ("dtype", "causal", "bias", "deterministic", "packed")
 
 
 @functools.lru_cache(maxsize=1)

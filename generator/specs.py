@@ -12,6 +12,7 @@ A spec file (specs/*.yaml) names a family, its tuning table and groups of functi
         causal: [none, top_left, bottom_right]
         bias: [none]                        # optional, default [none]
         deterministic: [false]              # optional, default [false]
+        packed: [false]                     # optional, default [false]: a kernel for packed batches
     exclude:                                # optional: partial matches removed from the product
       - {arch: sm_80, head_dims: 256}
 
@@ -50,9 +51,9 @@ from .families import FAMILIES
 from .located_yaml import LocatedDict, LocatedList, Where, YamlSyntaxError
 
 SPEC_KEYS = ("family", "tuning", "variants", "exclude")
-AXES = ("kernel", "arch", "dtype", "head_dims", "causal", "bias", "deterministic")
+AXES = ("kernel", "arch", "dtype", "head_dims", "causal", "bias", "deterministic", "packed")
 REQUIRED_AXES = ("kernel", "arch", "dtype", "head_dims", "causal")
-AXIS_DEFAULTS = {"bias": ["none"], "deterministic": [False]}
+AXIS_DEFAULTS = {"bias": ["none"], "deterministic": [False], "packed": [False]}
 AXIS_DOMAINS: dict[str, tuple] = {
     "kernel": D.KERNELS,
     "arch": tuple(ARCHS),
@@ -60,6 +61,7 @@ AXIS_DOMAINS: dict[str, tuple] = {
     "causal": D.CAUSAL_MODES,
     "bias": D.BIAS_MODES,
     "deterministic": (False, True),
+    "packed": (False, True),
 }
 
 

@@ -20,23 +20,21 @@ def check_backend(backend: str | None) -> None:
         raise InvalidInputError(f"backend must be None (auto), {' or '.join(map(repr, BACKENDS))}; got {backend!r}")
 
 
-def hopper_unsupported(capability: tuple[int, int], packed: bool = False) -> str | None:
-    """Why the Hopper forward cannot run this call (None: it can, given its variant)."""
+def hopper_unsupported(capability: tuple[int, int]) -> str | None:
+    """Why the Hopper forward cannot run on this GPU (None: it can, given its variant)."""
     if capability != HOPPER_CAPABILITY:
         return (f"the hopper backend needs compute capability {HOPPER_CAPABILITY[0]}.{HOPPER_CAPABILITY[1]} "
                 f"(sm_90a), this GPU has {capability[0]}.{capability[1]}")
-    if packed:
-        return "the hopper forward has no packed variable-length batches yet (backend='portable' has)"
     return None
 
 
 def forward_family(backend: str | None, capability: tuple[int, int], registry: KernelRegistry,
-                   hopper_request: dict[str, Any], packed: bool = False) -> str:
+                   hopper_request: dict[str, Any]) -> str:
     """The family a forward call runs: "hopper" or "portable"."""
     check_backend(backend)
     if backend == "portable":
         return "portable"
-    reason = hopper_unsupported(capability, packed)
+    reason = hopper_unsupported(capability)
     if backend == "hopper":
         if reason:
             raise UnsupportedError(reason)

@@ -28,8 +28,11 @@ BIAS_MODES = ("none", "additive")
 HEAD_DIMS = tuple(range(32, 257, 32))
 
 _CAUSAL_TAGS = {"none": "", "top_left": "causal-tl", "bottom_right": "causal-br"}
+# Fields added after the first release, with the default that leaves them out of the hash.
+ADDED_LATER = {"packed": False}
 
-FUNCTIONAL_FIELDS = ("kernel", "family", "arch", "dtype", "d_qk", "d_v", "causal", "bias", "deterministic")
+FUNCTIONAL_FIELDS = ("kernel", "family", "arch", "dtype", "d_qk", "d_v", "causal", "bias", "deterministic",
+                     "packed")
 PERFORMANCE_FIELDS = ("tile_m", "tile_n", "warps", "stages")
 
 
@@ -50,6 +53,10 @@ class VariantDescriptor:
     tile_n: int
     warps: int
     stages: int
+    # functional, added later (defaults keep older manifests and names valid): a kernel compiled
+    # for packed variable-length batches only (the hopper family's; portable kernels read the
+    # sequence bounds at run time, so their packed=false kernels take both).
+    packed: bool = False
 
     def __post_init__(self) -> None:
         problems = validation_errors(self.as_dict())
@@ -61,8 +68,10 @@ class VariantDescriptor:
         return dataclasses.asdict(self)
 
     def canonical(self) -> str:
-        """Stable text form: sorted keys, no whitespace, schema version included."""
-        return json.dumps({"schema": SCHEMA_VERSION, **self.as_dict()}, sort_keys=True, separators=(",", ":"))
+        """Stable text form: sorted keys, no whitespace, schema version included. A field added
+        later is left out at its default, so the variants that existed before keep their hashes."""
+        fields = {k: v for k, v in self.as_dict().items() if ADDED_LATER.get(k, object()) != v}
+        return json.dumps({"schema": SCHEMA_VERSION, **fields}, sort_keys=True, separators=(",", ":"))
 
     @property
     def hash(self) -> str:
@@ -78,6 +87,8 @@ class VariantDescriptor:
             parts.append(f"bias-{self.bias}")
         if self.deterministic:
             parts.append("det")
+        if self.packed:
+            parts.append("packed")
         return "_".join(parts + [self.hash[:8]])
 
     @property
@@ -100,6 +111,12 @@ class VariantDescriptor:
         return cls(**{k: v for k, v in fields.items() if k in known})
 
 
+def with_later_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` (a request, say) with the fields added later at their defaults where it lacks
+    them, so that what named a kernel before those fields existed still names it."""
+    return {**ADDED_LATER, **fields}
+
+
 def validation_errors(fields: dict[str, Any]) -> list[str]:
     """Every way `fields` falls outside the functional domains (empty when valid)."""
     domains = {
@@ -112,6 +129,7 @@ def validation_errors(fields: dict[str, Any]) -> list[str]:
         "causal": CAUSAL_MODES,
         "bias": BIAS_MODES,
         "deterministic": (False, True),
+        "packed": (False, True),
     }
     errors = []
     for key, allowed in domains.items():

@@ -85,8 +85,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
         registry = registry or default_registry()
         target = Target.of(q)
-        launch = plan_if_hopper(backend, q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink,
-                                packed is not None, target, registry)
+        launch = plan_if_hopper(backend, q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed,
+                                target, registry)
         run(registry, target, [launch or plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias,
                                                       target.capability, registry, kernel_sink, packed)])
     if packed is not None:

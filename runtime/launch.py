@@ -41,10 +41,11 @@ class Target:
 
 
 def request(kernel: str, dtype: str, d_qk: int, d_v: int, causal: str = "none", deterministic: bool = False,
-            bias: bool = False, family: str = "portable") -> dict[str, Any]:
-    """The functional fields (all but arch) of the kernel a call needs (portable family by default)."""
+            bias: bool = False, family: str = "portable", packed: bool = False) -> dict[str, Any]:
+    """The functional fields (all but arch) of the kernel a call needs (portable family by default;
+    `packed`: a hopper kernel for packed batches, flashkiln.descriptor)."""
     return {"kernel": kernel, "family": family, "dtype": dtype, "d_qk": d_qk, "d_v": d_v, "causal": causal,
-            "bias": "additive" if bias else "none", "deterministic": deterministic}
+            "bias": "additive" if bias else "none", "deterministic": deterministic, "packed": packed}
 
 
 def ceil_div(a: int, b: int) -> int:

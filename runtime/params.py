@@ -101,11 +101,18 @@ class HopperFwdParams(ctypes.Structure):
         ("tma_bias", TmaDescriptor),
         ("lse", ctypes.c_uint64),
         ("sink", ctypes.c_uint64),
+        ("cu_seqlens_q", ctypes.c_uint64),
+        ("cu_seqlens_k", ctypes.c_uint64),
+        ("o", ctypes.c_uint64),
+        ("o_row_stride", ctypes.c_int64),
+        ("o_head_stride", ctypes.c_int64),
         ("batch", ctypes.c_int32),
         ("heads_q", ctypes.c_int32),
         ("heads_kv", ctypes.c_int32),
         ("seqlen_q", ctypes.c_int32),
         ("seqlen_k", ctypes.c_int32),
+        ("total_q", ctypes.c_int32),
+        ("total_k", ctypes.c_int32),
         ("num_m_blocks", ctypes.c_int32),
         ("row_shift", ctypes.c_int32),
         ("scale", ctypes.c_float),
@@ -114,7 +121,7 @@ class HopperFwdParams(ctypes.Structure):
         ("bias_row_step", ctypes.c_int32),
         ("bias_head_step", ctypes.c_int32),
         ("bias_batch_step", ctypes.c_int32),
-        ("_pad", ctypes.c_uint8 * 48),
+        ("_pad", ctypes.c_uint8 * 4),
     ]
 
 

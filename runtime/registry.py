@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .archs import ARCHS, arch_preference
-from .descriptor import FUNCTIONAL_FIELDS, PERFORMANCE_FIELDS
+from .descriptor import FUNCTIONAL_FIELDS, PERFORMANCE_FIELDS, with_later_defaults
 from . import jit, tile_choice
 from .driver import CudaDriver, Driver
 from .errors import ArchMismatchError, DriverTooOldError, KernelIntegrityError, ManifestError, VariantNotFoundError
@@ -51,6 +51,7 @@ def _yaml_hint(fields: dict[str, Any], spec: str) -> str:
         f"    causal: [{fields['causal']}]\n"
         f"    bias: [{fields['bias']}]\n"
         f"    deterministic: [{str(fields['deterministic']).lower()}]\n"
+        f"    packed: [{str(fields['packed']).lower()}]\n"
         f"(its tuning table needs a row {fields['kernel']}: {fields['arch']}: {dims_key}: "
         f"{{{', '.join(f'{k}: ...' for k in PERFORMANCE_FIELDS)}}})"
     )
@@ -118,6 +119,7 @@ class KernelRegistry:
         of a variant's several tunings, the one tile_choice picks for `shape` (S_q, S_k), else the first.
 
         On every call's launch path: dictionary lookups (and a cached estimate per tuning)."""
+        request = with_later_defaults(request)
         runnable = [a.name for a in arch_preference(capability)]
         built_archs = self._built_archs
         if not any(a in built_archs for a in runnable):
@@ -141,6 +143,7 @@ class KernelRegistry:
 
     def has(self, request: dict[str, Any], capability: tuple[int, int]) -> bool:
         """Whether the manifest holds `request` for an arch that runs on `capability` (no JIT)."""
+        request = with_later_defaults(request)
         return any(tuple({**request, "arch": a.name}[k] for k in FUNCTIONAL_FIELDS) in self._index
                    for a in arch_preference(capability))
 

@@ -11,7 +11,9 @@ The values of cu_seqlens are not read on the host (that would synchronize): they
 clamp them into those bounds, so breaking this gives wrong values, never a stray memory access;
 PackedBatch.validate (varlen_attention(..., validate=True)) checks them, at the cost of a sync.
 Tokens past the last sequence, and their rows of out and lse, are left untouched by the forward;
-the backward gives them zero gradients.
+the backward gives them zero gradients. The hopper forward (its `packed: true` variants) reads
+whole key tiles, so past a sequence's end it may load tokens of the next one or of no sequence,
+but it masks their scores and zeroes their values before they are used.
 """
 from __future__ import annotations
 

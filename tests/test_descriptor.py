@@ -46,6 +46,12 @@ GOLDEN = [
         "1eab1b255071feec",
         "fwd_portable_sm86_fp16_d64_1eab1b25",
     ),
+    (
+        dict(kernel="fwd", family="hopper", arch="sm_90a", dtype="bf16", d_qk=128, d_v=128, causal="top_left",
+             bias="none", deterministic=False, tile_m=128, tile_n=128, warps=12, stages=2, packed=True),
+        "a2fe70ead48b0144",
+        "fwd_hopper_sm90a_bf16_d128_causal-tl_packed_a2fe70ea",
+    ),
 ]
 
 # Valid values of each field (the performance fields are any positive integers).
@@ -59,6 +65,7 @@ DOMAINS = {
     "causal": CAUSAL_MODES,
     "bias": BIAS_MODES,
     "deterministic": (False,),
+    "packed": (False, True),
     "tile_m": (16, 32, 64, 128, 256),
     "tile_n": (16, 32, 64, 128, 256),
     "warps": (1, 2, 4, 8),
@@ -146,11 +153,19 @@ def test_canonical_is_sorted_compact_json_with_schema():
     text = d.canonical()
     assert " " not in text and "\n" not in text
     parsed = json.loads(text)
-    assert parsed == {"schema": SCHEMA_VERSION, **dataclasses.asdict(d)}
+    fields = dataclasses.asdict(d)
+    del fields["packed"]  # added later: left out at its default (next test)
+    assert parsed == {"schema": SCHEMA_VERSION, **fields}
     assert list(parsed) == sorted(parsed)
     assert text == ('{"arch":"sm_90a","bias":"none","causal":"bottom_right","d_qk":128,"d_v":128,'
                     '"deterministic":false,"dtype":"bf16","family":"portable","kernel":"fwd","schema":1,'
                     '"stages":1,"tile_m":128,"tile_n":64,"warps":4}')
+
+
+def test_a_field_added_later_is_in_the_hash_only_away_from_its_default():
+    # So the kernels that existed before `packed` keep their names and dispatch keys.
+    assert "packed" not in make().canonical()
+    assert '"packed":true' in make(packed=True).canonical()
 
 
 def test_hash_is_16_hex_digits():

@@ -91,7 +91,7 @@ def fake_registry(directory: Path, descriptors: list[VariantDescriptor]) -> tupl
 
 def request(dtype="bf16", d=128, d_v=None, causal="none") -> dict:
     return {"kernel": "fwd", "family": "portable", "dtype": dtype, "d_qk": d, "d_v": d if d_v is None else d_v,
-            "causal": causal, "bias": "none", "deterministic": False}
+            "causal": causal, "bias": "none", "deterministic": False, "packed": False}
 
 
 # -- find ---------------------------------------------------------------------------------------
@@ -103,6 +103,15 @@ def test_find_picks_the_best_arch(tmp_path, capability, arch):
     entry = registry.find(request(causal="top_left"), capability)
     assert entry.arch == arch
     assert entry.variant == descriptor(arch=arch, causal="top_left")
+
+
+def test_a_request_written_before_packed_existed_still_finds_its_kernel(tmp_path):
+    registry, _ = fake_registry(tmp_path, all_variants())
+    old = {k: v for k, v in request(causal="top_left").items() if k != "packed"}
+    assert registry.find(old, (9, 0)) == registry.find(request(causal="top_left"), (9, 0))
+    assert registry.has(old, (9, 0))
+    with pytest.raises(VariantNotFoundError, match="packed: \\[true\\]"):
+        registry.find({**old, "packed": True}, (9, 0))
 
 
 def test_find_prefers_a_specific_minor_over_its_major(tmp_path):

@@ -1,8 +1,9 @@
 """Packed variable-length batches on the GPU, against the fp32 reference run on each sequence alone.
 
 Token tensors hold NaN tokens past the last sequence and sit between NaN canary tokens: the
-kernels must neither read them (NaN would spread into the results) nor write them (out and lse
+kernels must neither use them (NaN would spread into the results) nor write them (out and lse
 rows of those tokens stay as they were). Zero-length query and key sequences are in every case.
+The forwards run on both families (the hopper one on compute capability 9.0).
 """
 from __future__ import annotations
 
@@ -24,11 +25,20 @@ _repro = partial(repro_line, "test_varlen_gpu.py")
 PAD = 3  # NaN canary tokens on each side of every token tensor
 EXTRA = 5  # NaN tokens past the last sequence, inside the tensors
 # (query lengths, key lengths): zero-length queries and keys, a single token, partial tiles, a
-# sequence longer than the others by several tiles.
+# sequence longer than the others by several tiles; "long" (forward only): several query and
+# key tiles per sequence, fewer keys than queries (rows that see none under bottom_right).
 LENGTHS = {
     "mixed": ((130, 0, 17, 256, 1), (200, 33, 0, 256, 64)),
     "self": ((1, 129, 64, 0, 300), (1, 129, 64, 0, 300)),
+    "long": ((700, 3, 0, 513, 129), (700, 900, 5, 300, 0)),
 }
+SHORT = ["mixed", "self"]
+BACKENDS = ["hopper", "portable"]
+
+
+def _skip_unless_runs(backend: str) -> None:
+    if backend == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper backend runs on compute capability 9.0 only")
 
 
 @dataclass
@@ -147,13 +157,13 @@ def _check_forward(case: Packed, out, lse, causal, bias, sink, repro: str) -> No
     fa_style_check("lse", lse[:, inside], ref32[1][:, inside], reflp[1][:, inside], 2, repro)
 
 
-def _forward(case: Packed, causal, bias=None, sink=None):
+def _forward(case: Packed, causal, bias=None, sink=None, backend=None):
     """attention_forward into NaN-filled out and lse: rows of tokens past the last sequence must stay NaN."""
     out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"), device="cuda",
                      dtype=case.q.dtype)
     lse = torch.full((case.q.shape[1], case.q.shape[0]), float("nan"), device="cuda")
     flashkiln.attention_forward(case.q, case.k, case.v, causal=causal, bias=bias, sink=sink, packed=case.packed(),
-                                out=out, lse=lse)
+                                out=out, lse=lse, backend=backend)
     torch.cuda.synchronize()
     tail = slice(int(case.cu_q[-1]), None)
     assert torch.isnan(out[tail]).all() and torch.isnan(lse[:, tail]).all(), "rows past the last sequence written"
@@ -161,20 +171,23 @@ def _forward(case: Packed, causal, bias=None, sink=None):
     return out, lse
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)], ids=lambda d: f"d{d[0]}x{d[1]}")
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_forward_matches_each_sequence_alone(lengths, causal, dims):
+def test_forward_matches_each_sequence_alone(lengths, causal, dims, backend):
+    _skip_unless_runs(backend)
     seed = seed_of("varlen-fwd", lengths, causal, dims)
     case = _packed_case(seed, lengths, hq=6, hkv=2, dims=dims)
-    out, lse = _forward(case, causal)
+    out, lse = _forward(case, causal, backend=backend)
     _check_forward(case, out, lse, causal, None, None,
-                   _repro("test_forward_matches_each_sequence_alone", lengths=lengths, causal=causal, dims=dims))
+                   _repro("test_forward_matches_each_sequence_alone", lengths=lengths, causal=causal, dims=dims,
+                          backend=backend))
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("lengths", SHORT)
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
 def test_backward_matches_each_sequence_alone(hq, hkv, lengths, causal, route):
     seed = seed_of("varlen-bwd", hq, hkv, lengths, causal)
@@ -192,18 +205,21 @@ def test_backward_matches_each_sequence_alone(hq, hkv, lengths, causal, route):
                         _reference_grads(case, causal, None, None, case.q.dtype), repro)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bias_shape", ["full", "heads", "batch"])
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
-def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape):
+def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape, backend):
     """Item 4 of the issue: bias (with dBias), sinks (with dSink), a packed batch, causal, GQA, and
-    the deterministic backward, together; dBias and dSink bitwise reproducible."""
+    the deterministic backward, together; dBias and dSink bitwise reproducible. `backend` runs the
+    forward."""
+    _skip_unless_runs(backend)
     seed = seed_of("varlen-all", causal, bias_shape)
     case = _packed_case(seed, "mixed", hq=6, hkv=2)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     bias = _bias_of(case, bias_shape, gen)
     sink = torch.linspace(-2.0, 3.0, case.q.shape[1], device="cuda")
-    repro = _repro("test_bias_sinks_gqa_and_causal_combine", causal=causal, bias_shape=bias_shape)
-    out, lse = _forward(case, causal, bias, sink)
+    repro = _repro("test_bias_sinks_gqa_and_causal_combine", causal=causal, bias_shape=bias_shape, backend=backend)
+    out, lse = _forward(case, causal, bias, sink, backend)
     _check_forward(case, out, lse, causal, bias, sink, repro)
     runs = [flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal, bias=bias,
                                          bias_grad=True, sink=sink, sink_grad=True, packed=case.packed(),

@@ -1,7 +1,8 @@
 // The forward's epilogue, per consumer warpgroup: normalize O, stage it in shared memory (O's own
 // buffer, else the last key tile's K/V stage, else Q's buffer for a tile without keys; swizzled
-// like Q) and write it with TMA stores, which clip rows past the sequence end; LSE goes straight
-// from registers. A borrowed buffer is handed back to the producer once the stores have read it;
+// like Q) and write it with TMA stores, which clip rows past a dense sequence's end (in a packed
+// batch, the warpgroup whose rows cross a sequence's end copies its rows out itself); LSE goes
+// straight from registers. A borrowed buffer is handed back to the producer once the stores have read it;
 // O's own is reused once they have (next tile).
 #pragma once
 
@@ -19,6 +20,26 @@
 namespace flashkiln::hopper {
 
 using namespace cute;
+
+// Rows [0, rows) of a warpgroup's staged O (64 rows per 64-column box at `box`, boxes `box_step`
+// elements apart, swizzled as in swizzled_tile.hpp) to `out`, row 0's first column in global
+// memory, in 16-byte chunks by the warpgroup's 128 threads.
+template <class T>
+__device__ __forceinline__ void copy_rows_out(typename T::Element const* box, int box_step,
+                                              typename T::Element* out, int64_t row_stride, int rows, int thread) {
+  constexpr int kChunksPerRow = T::kBoxCols * int(sizeof(typename T::Element)) / 16;  // 8
+  constexpr int kElemsPerChunk = 16 / int(sizeof(typename T::Element));
+  CUTE_UNROLL
+  for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
+    for (int i = thread % 128; i < rows * kChunksPerRow; i += 128) {
+      const int r = i / kChunksPerRow;
+      const int chunk = i % kChunksPerRow;
+      const uint4 value = *reinterpret_cast<uint4 const*>(box + c * box_step + r * T::kBoxCols +
+                                                          (chunk ^ (r % 8)) * kElemsPerChunk);
+      *reinterpret_cast<uint4*>(out + r * row_stride + c * T::kBoxCols + chunk * kElemsPerChunk) = value;
+    }
+  }
+}
 
 // last_stage: the stage of the tile's last key tile (-1: none), where O is staged without a buffer
 // of its own once every consumer is done reading it (stage_read, whose phase the caller keeps);
@@ -71,11 +92,18 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   // Generic-proxy writes that the TMA engine reads next: fence, then gather the warpgroup.
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(1 + warpgroup, 128);
-  if (leader && w.row0 + warpgroup * 64 >= 0) {  // rows above row 0 (make_scheduler) are padding
+  // Rows above row 0 (make_scheduler) are padding; past the sequence's end, other tokens.
+  const int row = w.row0 + warpgroup * 64;
+  const int seqlen_q = seqlens<T::kPacked>(p, w).x;
+  const int rows = min(seqlen_q - row, 64);
+  if (T::kPacked && 0 < rows && rows < 64) {
+    auto out = reinterpret_cast<Element*>(p.o) + (int64_t(w.q_begin) + row) * p.o_row_stride + w.head * p.o_head_stride;
+    copy_rows_out<T>(box, box_step, out, p.o_row_stride, rows, thread);
+  } else if (leader && row >= 0 && (!T::kPacked || rows > 0)) {  // (a dense map clips rows past the end)
     CUTE_UNROLL
     for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
-      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, box + c * box_step, c * T::kBoxCols, w.row0 + warpgroup * 64, w.head,
-                                    w.batch);
+      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, box + c * box_step, c * T::kBoxCols, w.q_begin + row, w.head,
+                                    w.entry);
     }
     cute::tma_store_arrive();
     if (!T::kOwnO) {
@@ -83,8 +111,8 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
     }
   }
   if constexpr (!T::kOwnO) {
-    // Every thread releases the buffer itself once the leader's stores are done with it: the
-    // producer may refill it.
+    // Every thread releases the buffer itself once the leader's stores (or every thread's copies)
+    // are done with it: the producer may refill it.
     named_barrier_sync(1 + warpgroup, 128);
     if (in_stage) {
       Barrier::arrive(&ss.k_empty[last_stage]);
@@ -97,11 +125,12 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   // The thread holding column 0 of a row writes that row's LSE.
   Tensor tOcO = rowcol(cO);
   if (get<1>(tOcO(0, 0)) == 0) {
-    float* lse_rows = reinterpret_cast<float*>(p.lse) + (int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q;
+    float* lse_rows =
+        reinterpret_cast<float*>(p.lse) + (int64_t(w.entry) * p.heads_q + w.head) * p.total_q + w.q_begin;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = w.row0 + get<0>(tOcO(r, 0));
-      if (row >= 0 && row < p.seqlen_q) {
+      if (row >= 0 && row < seqlen_q) {
         lse_rows[row] = lse[r];
       }
     }

@@ -17,6 +17,7 @@
 #include <flashkiln/portable/masking.hpp>
 #include <flashkiln/portable/online_softmax.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
+#include <flashkiln/sequence.hpp>
 
 namespace flashkiln::hopper {
 
@@ -34,26 +35,94 @@ __device__ __forceinline__ TileScheduler<T::kCausal != Causal::none> make_schedu
           T::kCausal != Causal::none ? p.row_shift : 0};
 }
 
-// Key tiles the `rows` query rows from row0 need (a work tile's, by default): all of them, or
-// those up to their last visible key (0: none).
+// The tile's sequence: its lengths and where its tokens lie (sequence.hpp).
 template <class T>
-__device__ __forceinline__ int key_tiles(HopperFwdParams const& p, int row0, int rows = T::kBlockM) {
-  int n_blocks = ceil_div(p.seqlen_k, T::kBlockN);
+__device__ __forceinline__ WorkTile in_sequence(HopperFwdParams const& p, WorkTile w) {
+  if constexpr (T::kPacked) {
+    const Sequence s = sequence_of(p, w.batch);
+    w.seqlen_q = s.seqlen_q;
+    w.seqlen_k = s.seqlen_k;
+    w.q_begin = int(s.q_begin);  // token counts fit in int (runtime/varlen.py)
+    w.k_begin = int(s.k_begin);
+    w.entry = 0;
+  } else {
+    w.entry = w.batch;  // and tokens from 0; the lengths are the parameters' (seqlens)
+  }
+  return w;
+}
+
+// A work tile as the producer names it to the consumers, beside its Q slot: what they need of it
+// (of a packed batch's sequence, too) and the key tiles it has (-1: no tiles are left).
+template <class T>
+struct TileRecord {
+  __device__ __forceinline__ static void write(volatile int* r, WorkTile const& w, int n_blocks) {
+    r[0] = w.row0;
+    r[1] = w.head;
+    r[2] = w.batch;
+    r[3] = n_blocks;
+    if constexpr (T::kPacked) {
+      r[4] = w.seqlen_q;
+      r[5] = w.seqlen_k;
+      r[6] = w.q_begin;
+    }
+  }
+  __device__ __forceinline__ static int key_tiles(volatile int const* r) { return r[3]; }
+  // The consumers' copy (k_begin, which only the producer reads, is left 0).
+  __device__ __forceinline__ static WorkTile read(HopperFwdParams const& p, volatile int const* r) {
+    const int batch = r[2];  // (each read of a volatile is a load of its own)
+    WorkTile w{r[0], r[1], batch, 0, 0, 0, 0, batch};
+    if constexpr (T::kPacked) {
+      w.seqlen_q = r[4];
+      w.seqlen_k = r[5];
+      w.q_begin = r[6];
+      w.entry = 0;
+    }
+    return w;
+  }
+};
+
+// Key tiles the `rows` query rows from row0 of the tile's sequence need (the tile's own, by
+// default): all of them, or those up to their last visible key (0: none).
+template <class T>
+__device__ __forceinline__ int key_tiles(HopperFwdParams const& p, WorkTile const& w, int row0,
+                                         int rows = T::kBlockM) {
+  const int2 len = seqlens<T::kPacked>(p, w);
+  int n_blocks = ceil_div(len.y, T::kBlockN);
   if constexpr (T::kCausal != Causal::none) {
-    const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
-    const int last_row = min(p.seqlen_q, row0 + rows) - 1;
+    const int causal_offset = T::kCausal == Causal::bottom_right ? len.y - len.x : 0;
+    const int last_row = min(len.x, row0 + rows) - 1;
     const int last_visible = last_row + causal_offset;
     n_blocks = last_visible < 0 ? 0 : min(n_blocks, last_visible / T::kBlockN + 1);
   }
   return n_blocks;
 }
 
-// Key tiles consumer warpgroup `warpgroup` computes of the work tile at row0 (traits.hpp,
-// kSkipHidden): those its own 64 rows see, but at least the tile's last, which holds the tile's
-// O stage and Q release (a warpgroup whose rows see no key computes it fully masked).
+// Key tiles consumer warpgroup `warpgroup` computes of work tile w (traits.hpp, kSkipHidden):
+// those its own 64 rows see, but at least the tile's last, which holds the tile's O stage and Q
+// release (a warpgroup whose rows see no key computes it fully masked).
 template <class T>
-__device__ __forceinline__ int warpgroup_key_tiles(HopperFwdParams const& p, int row0, int warpgroup) {
-  return max(1, key_tiles<T>(p, row0 + 64 * warpgroup, 64));
+__device__ __forceinline__ int warpgroup_key_tiles(HopperFwdParams const& p, WorkTile const& w, int warpgroup) {
+  return max(1, key_tiles<T>(p, w, w.row0 + 64 * warpgroup, 64));
+}
+
+// In a packed batch the key tile at a sequence's end holds the next sequence's tokens (or tokens
+// past the last sequence, of any value) where a dense batch's TMA loads zero-fill: its scores are
+// masked, but P V would still multiply their values by zero (NaN stays NaN). So each consumer
+// warpgroup zeroes the V rows from `first` before its P V reads the stage. Both warpgroups write
+// the same zeros, so neither can see a value the other has not also written; whole 128-byte rows,
+// which the swizzle only permutes within.
+template <class T>
+__device__ __forceinline__ void zero_v_rows(typename T::Element* stage, int first, int thread) {
+  constexpr int kChunks = T::kBlockN * T::kBoxCols * int(sizeof(typename T::Element)) / 16;  // per box
+  CUTE_UNROLL
+  for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
+    uint4* box = reinterpret_cast<uint4*>(stage + c * T::kBlockN * T::kBoxCols);
+    for (int i = first * (kChunks / T::kBlockN) + thread % 128; i < kChunks; i += 128) {
+      box[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  cutlass::arch::fence_view_async_shared();  // generic writes that wgmma reads next
+  named_barrier_sync(1 + thread / 128, 128);
 }
 
 // One thread of the producer warpgroup: every load of every work tile of this CTA.
@@ -77,9 +146,21 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     int n_blocks;
   };
   auto claim = [&](int tile) {
-    const bool valid = sched.valid(tile);
-    const WorkTile w = valid ? sched.decode(tile) : WorkTile{0, 0, 0};
-    return Claimed{tile, valid, w, valid ? key_tiles<T>(p, w.row0) : 0};
+    if constexpr (T::kPacked) {
+      // The first tile from `tile` on with query rows: the query tiles of the longest sequence
+      // past a shorter one's end hold none.
+      for (; sched.valid(tile); tile = sched.next(tile)) {
+        const WorkTile w = in_sequence<T>(p, sched.decode(tile));
+        if (w.row0 < w.seqlen_q) {
+          return Claimed{tile, true, w, key_tiles<T>(p, w, w.row0)};
+        }
+      }
+      return Claimed{tile, false, WorkTile{}, 0};
+    } else {
+      const bool valid = sched.valid(tile);
+      const WorkTile w = valid ? in_sequence<T>(p, sched.decode(tile)) : WorkTile{};
+      return Claimed{tile, valid, w, valid ? key_tiles<T>(p, w, w.row0) : 0};
+    }
   };
   // Whether the consumers have released the next Q slot (and its tile record), waiting for it
   // if `block`; a slot's first use finds it free.
@@ -96,11 +177,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   auto publish = [&](Claimed const& t) {
     const int slot = q_slot.stage;
     q_slot.advance();
-    volatile int* named = ss.tile[slot];
-    named[0] = t.w.row0;
-    named[1] = t.w.head;
-    named[2] = t.w.batch;
-    named[3] = t.valid ? t.n_blocks : -1;
+    TileRecord<T>::write(ss.tile[slot], t.w, t.valid ? t.n_blocks : -1);
     if (t.n_blocks == 0) {
       Barrier::arrive(&ss.q_full[slot]);
       return;
@@ -109,7 +186,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     CUTE_UNROLL
     for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
       tma_load(&p.tma_q, &ss.q_full[slot], ss.q + slot * T::kElemsQ + c * T::kBlockM * T::kBoxCols,
-               c * T::kBoxCols, t.w.row0, t.w.head, t.w.batch);
+               c * T::kBoxCols, t.w.q_begin + t.w.row0, t.w.head, t.w.entry);
     }
   };
   // With two Q slots a tile is claimed and named during the last key tile of the one before:
@@ -151,7 +228,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       CUTE_UNROLL
       for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
         tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * T::kBoxCols,
-                 c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
+                 c * T::kBoxCols, w.k_begin + n_block * T::kBlockN, head_kv, w.entry);
       }
       if constexpr (T::kBias) {
         // A bias broadcast over query rows loads one row per box, into the box's first row.
@@ -170,7 +247,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
         CUTE_UNROLL
         for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
           tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
-                   c * T::kBoxCols, n_block * T::kBlockN, head_kv, w.batch);
+                   c * T::kBoxCols, w.k_begin + n_block * T::kBlockN, head_kv, w.entry);
         }
       };
       if (!kNameAhead && n_block == n_blocks - 1) {
@@ -231,7 +308,6 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   Tensor tOrV = thr_o.partition_fragment_B(sVt);
   Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
   Tensor tScS = rowcol(cS);
-  const int causal_offset = T::kCausal == Causal::bottom_right ? p.seqlen_k - p.seqlen_q : 0;
   const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores (portable/bias.hpp)
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<T::kBlockM>, Int<T::kDimV>>{});
@@ -259,13 +335,14 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     Barrier::wait(&ss.q_full[q_slot.stage], q_slot.phase);
     q_slot.advance();
     volatile int const* named = ss.tile[t.q_slot];
-    t.w = WorkTile{named[0], named[1], named[2]};
-    t.valid = named[3] >= 0;
-    t.n_blocks = max(named[3], 0);
+    t.w = TileRecord<T>::read(p, named);
+    // Two loads of the count: with one, ptxas spilled in the d 64 consumers.
+    t.valid = TileRecord<T>::key_tiles(named) >= 0;
+    t.n_blocks = max(TileRecord<T>::key_tiles(named), 0);
     if constexpr (T::kSkipHidden) {
       // The warpgroup broadcast, so that the compiler knows it is warp-uniform: the pipeline
       // state that depends on it stays in uniform registers.
-      const int own = warpgroup_key_tiles<T>(p, t.w.row0, __shfl_sync(0xffffffff, thread / 128, 0));
+      const int own = warpgroup_key_tiles<T>(p, t.w, __shfl_sync(0xffffffff, thread / 128, 0));
       CUTE_UNROLL
       for (int i = 0; i < T::kMaxSkipped; ++i) {
         if (t.n_blocks > own) {
@@ -338,9 +415,11 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   // Scores of key tile n_block to probabilities; O is rescaled (rescale_o) where `exponentiate`
   // asks for it, once no GEMM accumulates into it.
   auto to_probabilities = [&](auto first, Tile const& t, int n_block, auto& softmax) {
-    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(t.w.row0, n_block * T::kBlockN,
-                                                                p.seqlen_k, causal_offset)) {
-      mask_scores<T::kCausal>(rowcol(acc_s), tScS, t.w.row0, n_block * T::kBlockN, p.seqlen_k, causal_offset);
+    const int2 len = seqlens<T::kPacked>(p, t.w);
+    const int causal_offset = T::kCausal == Causal::bottom_right ? len.y - len.x : 0;
+    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(t.w.row0, n_block * T::kBlockN, len.y,
+                                                                causal_offset)) {
+      mask_scores<T::kCausal>(rowcol(acc_s), tScS, t.w.row0, n_block * T::kBlockN, len.y, causal_offset);
     }
     return softmax.template exponentiate<decltype(first)::value>(rowcol(acc_s), p.scale_log2, rescale);
   };
@@ -389,6 +468,9 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
       p_regs = convert_fragment<typename T::Element>(acc_s);
       v_stage = kv.stage;
       Barrier::wait(&ss.v_full[v_stage], kv.phase);
+      if (T::kPacked && (n_block + 1) * T::kBlockN > tile.w.seqlen_k) {
+        zero_v_rows<T>(ss.v + v_stage * T::kElemsV, tile.w.seqlen_k - n_block * T::kBlockN, thread);
+      }
       kv.advance();
       if (n_block == 0) {
         break;

@@ -20,9 +20,17 @@ struct HopperFwdParams {
   // broadcasts along has extent 1 and is addressed at coordinate 0 (its step below is 0); a bias
   // broadcast over query rows is read as one row per tile (the map's box is 1 row high).
   TmaDescriptor tma_bias;
-  uint64_t lse;   // float (batch, heads_q, seqlen_q), dense; natural log
+  uint64_t lse;   // float (batch, heads_q, seqlen_q), or packed (heads_q, total_q), dense; natural log
   uint64_t sink;  // float (heads_q,), or 0
-  int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  // Packed batches (sequence.hpp): int (batch + 1,) sequence bounds, or 0 when dense. The maps
+  // then cover the (1, heads, total, d) token tensors and tiles address rows from a sequence's
+  // first token; O's rows that end a sequence go out through `o` (the epilogue), since a TMA
+  // store clips only at the tensor's end and would overwrite the next sequence.
+  uint64_t cu_seqlens_q, cu_seqlens_k;
+  uint64_t o;                          // O's address, for those rows
+  int64_t o_row_stride, o_head_stride;  // elements
+  int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;  // packed: the longest seqlens
+  int32_t total_q, total_k;  // tokens of q and k: seqlen_q and seqlen_k when dense
   int32_t num_m_blocks;  // query tiles per head
   // Rows the grid of query tiles starts above row 0 (a multiple of 64; 0 without a causal mask):
   // the runtime's flashkiln.tile_choice.causal_row_shift, which its tile choice counts too.
@@ -30,11 +38,11 @@ struct HopperFwdParams {
   float scale;           // applied to Q K^T
   float scale_log2;      // scale * log2(e)
   // An int in global memory, zero at launch, from which CTAs claim work tiles past their first
-  // (the runtime passes one under a causal mask, where tiles differ in length); 0: a fixed
-  // round robin.
+  // (the runtime passes one where tiles differ in length: under a causal mask, and in packed
+  // batches); 0: a fixed round robin.
   uint64_t tile_counter;
   int32_t bias_row_step, bias_head_step, bias_batch_step;  // 1, or 0 where the bias broadcasts
-  uint8_t _pad[48];      // to a multiple of the descriptors' 64-byte alignment
+  uint8_t _pad[4];      // to a multiple of the descriptors' 64-byte alignment
 };
 
 }  // namespace flashkiln

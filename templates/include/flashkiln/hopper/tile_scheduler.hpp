@@ -1,7 +1,9 @@
 // Persistent tile scheduler: the grid holds at most one CTA per SM and each CTA runs work tiles
 // (query tile, head, batch) until none are left. Its first tile is its block index; further ones
 // come from a global counter when the runtime passes one (claimed in order as CTAs free up, so
-// long and short causal tiles balance out), else with a stride of the grid size. Only the
+// long and short tiles, causal ones or a packed batch's, balance out), else with a stride of the
+// grid size. In a packed batch `batch` counts sequences, and a head's query tiles cover the
+// longest one (the producer skips those past a shorter sequence's end). Only the
 // producer thread walks the schedule; it hands each tile to the consumers through shared memory.
 //
 // Order: batch, then head, then query tile, so that the CTAs in flight share the K/V of few heads
@@ -10,13 +12,26 @@
 #pragma once
 
 #include <flashkiln/common.hpp>
+#include <flashkiln/hopper/params.hpp>
 
 namespace flashkiln::hopper {
 
 struct WorkTile {
-  int row0;  // the tile's first query row: negative where the grid starts above the sequence
+  int row0;  // the tile's first query row in its sequence: negative where the grid starts above it
   int head, batch;
+  // Of the tile's sequence (sequence.hpp), filled in by the producer: its lengths (packed batches
+  // only: see seqlens), its first query and key tokens, and the batch entry of the tensors it
+  // lies in (0 for a packed batch).
+  int seqlen_q, seqlen_k;
+  int q_begin, k_begin, entry;
 };
+
+// The lengths (q, k) of a tile's sequence: a packed batch's from the tile, a dense batch's from
+// the parameters, where the compiler keeps them (copies in the tile took producer registers).
+template <bool kPacked>
+__device__ __forceinline__ int2 seqlens(HopperFwdParams const& p, WorkTile const& w) {
+  return kPacked ? make_int2(w.seqlen_q, w.seqlen_k) : make_int2(p.seqlen_q, p.seqlen_k);
+}
 
 template <bool kLongestFirst>
 struct TileScheduler {
@@ -39,7 +54,7 @@ struct TileScheduler {
     const int m = tile % num_m_blocks;
     const int bh = tile / num_m_blocks;
     const int m_block = kLongestFirst ? num_m_blocks - 1 - m : m;
-    return {m_block * block_m - row_shift, bh % heads, bh / heads};
+    return {m_block * block_m - row_shift, bh % heads, bh / heads, 0, 0, 0, 0, 0};
   }
 };
 

@@ -1,7 +1,8 @@
 // Compile-time shape of one Hopper forward variant: warp roles, shared-memory layouts (128-byte
 // swizzled, as TMA writes them and wgmma reads them), the two warpgroup MMAs and the byte counts
 // the pipeline expects per TMA load. With kBias, a (tile_m, tile_n) tile of the additive bias
-// rides in every K/V stage, with barriers of its own.
+// rides in every K/V stage, with barriers of its own. With kPacked, the kernel runs packed
+// variable-length batches (sequence.hpp) and only those; without, dense ones only.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -14,7 +15,7 @@ namespace flashkiln::hopper {
 using namespace cute;
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_,
-          bool kBias_>
+          bool kBias_, bool kPacked_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -24,6 +25,8 @@ struct FwdTraits {
   static constexpr int kStages = kStages_;
   static constexpr Causal kCausal = kCausal_;
   static constexpr bool kBias = kBias_;
+  static constexpr bool kPacked = kPacked_;
+  static constexpr int kRecordInts = kPacked ? 7 : 4;  // mainloop.hpp, TileRecord
 
   // One producer warpgroup (a single thread issues the TMA loads), then one consumer warpgroup
   // per 64 query rows of the tile.
@@ -122,9 +125,9 @@ struct FwdTraits {
     uint64_t k_empty[kStages];    // the consumers finished reading the stage's K
     uint64_t v_empty[kStages];    // ... and its V
     uint64_t stage_read;          // every consumer finished its tile's last GEMMs (O staged in that stage)
-    // The work tile of the slot's Q as (row0, head, batch, key tiles; -1: no tiles left), decoded
-    // by the producer (valid once the slot's q_full completes).
-    int tile[kQSlots][4];
+    // The work tile of the slot's Q (mainloop.hpp, TileRecord), decoded by the producer (valid
+    // once the slot's q_full completes).
+    int tile[kQSlots][kRecordInts];
     cute::conditional_t<kBias, BiasRing, NoBias> bias;
   };
   template <int kQSlots_>
