@@ -185,6 +185,52 @@ def test_forward_matches_each_sequence_alone(lengths, causal, dims, backend):
                           backend=backend))
 
 
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=lambda d: f"d{d[0]}x{d[1]}")
+def test_each_hopper_tuning_on_packed_batches(monkeypatch, dims, causal):
+    """The packed hopper variants with two tunings (specs/tuning/hopper.yaml), each forced in turn."""
+    _skip_unless_runs("hopper")
+    forced = {"index": 0, "count": 0}
+
+    def choose(entries, seqlen_q, seqlen_k):
+        forced["count"] = len(entries)
+        return entries[forced["index"]]
+
+    monkeypatch.setattr(flashkiln.tile_choice, "choose", choose)
+    case = _packed_case(seed_of("varlen-tunings", dims, causal), "long", hq=6, hkv=2, dims=dims)
+    while True:
+        out, lse = _forward(case, causal, backend="hopper")
+        _check_forward(case, out, lse, causal, None, None,
+                       _repro("test_each_hopper_tuning_on_packed_batches", dims=dims, causal=causal,
+                              tuning=forced["index"]))
+        forced["index"] += 1
+        if forced["index"] >= forced["count"]:
+            break
+    assert forced["count"] == 2
+
+
+def test_hopper_plan_of_a_packed_batch():
+    """Packed tiles differ in length with or without a mask: CTAs claim them from a counter; the
+    causal grid starts at row 0 (the sequences end at different rows)."""
+    _skip_unless_runs("hopper")
+    from flashkiln import hopper_forward
+    from flashkiln.launch import Target
+    from flashkiln.registry import default_registry
+    from flashkiln.varlen import as_batched
+
+    case = _packed_case(seed_of("varlen-plan"), "long", hq=6, hkv=2)
+    q, k, v = (as_batched(t) for t in (case.q, case.k, case.v))
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    for causal in ("none", "top_left"):
+        launch = hopper_forward.plan_hopper_forward(q, k, v, out, lse, causal, 0.1, None, None, Target.of(q),
+                                                   default_registry(), case.packed())
+        assert launch.entry.descriptor["packed"]
+        (counter,) = launch.keep_alive
+        assert launch.params.tile_counter == counter.data_ptr() and launch.params.row_shift == 0
+        assert launch.params.batch == len(case.lengths_q) and launch.params.seqlen_q == case.max_q
+        assert launch.params.total_q == case.q.shape[0] and launch.params.cu_seqlens_q == case.cu_q.data_ptr()
+
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("lengths", SHORT)
