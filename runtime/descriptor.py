@@ -113,8 +113,9 @@ class VariantDescriptor:
 
 def with_later_defaults(fields: dict[str, Any]) -> dict[str, Any]:
     """`fields` (a request, say) with the fields added later at their defaults where it lacks
-    them, so that what named a kernel before those fields existed still names it."""
-    return {**ADDED_LATER, **fields}
+    them, so that what named a kernel before those fields existed still names it. (On every
+    call's lookup: a request that has them all is returned as it is.)"""
+    return fields if ADDED_LATER.keys() <= fields.keys() else {**ADDED_LATER, **fields}
 
 
 def validation_errors(fields: dict[str, Any]) -> list[str]:
