@@ -18,6 +18,19 @@ from .varlen import BatchShape, PackedBatch
 _O_BOX_ROWS = 64
 
 
+def heads_innermost(bias: KernelBias | None, bias_map: tma.BiasMap, l2_bytes: int) -> bool:
+    """Whether work tiles run heads innermost (HopperFwdParams.heads_inner): for a bias broadcast
+    over heads whose (S_q, S_k) plane does not fit in L2. The CTAs in flight then read the same bias
+    tiles; in the default order (query tiles innermost) they read distinct ones, which at S >= 8k
+    come from HBM once per head. Measured on an H200 with a (1, 1, S, S) bias (docs/perf.md, v15):
+    S 8k-16k +7-11% at d 64, +3-5% at d 128, +1-4% at d 256; at S <= 4k, where the plane fits,
+    -3 to +6% by head dim, so the order stays."""
+    if bias is None or bias_map.head_step != 0:
+        return False
+    _, _, rows, cols = bias.tensor.shape
+    return (rows if bias_map.row_step else 1) * cols * bias.tensor.element_size() > l2_bytes
+
+
 def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         causal: str, scale: float, bias: KernelBias | None, sink: torch.Tensor | None,
                         target: Target, registry: KernelRegistry, packed: PackedBatch | None = None) -> KernelLaunch:
@@ -53,8 +66,10 @@ def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step, bias_head_step=bias_map.head_step,
         bias_batch_step=bias_map.batch_step,
     )
+    device = torch.cuda.get_device_properties(target.device)
+    params.heads_inner = heads_innermost(bias, bias_map, device.L2_cache_size)
     # Persistent: one CTA per SM (each takes all of an SM's registers).
-    sms = torch.cuda.get_device_properties(target.device).multi_processor_count
+    sms = device.multi_processor_count
     return KernelLaunch(entry, (min(num_m_blocks * hq * shape.batch, sms), 1, 1), params,
                         keep_alive=() if counter is None else (counter,))
 

@@ -121,7 +121,7 @@ class HopperFwdParams(ctypes.Structure):
         ("bias_row_step", ctypes.c_int32),
         ("bias_head_step", ctypes.c_int32),
         ("bias_batch_step", ctypes.c_int32),
-        ("_pad", ctypes.c_uint8 * 4),
+        ("heads_inner", ctypes.c_int32),
     ]
 
 

@@ -113,6 +113,26 @@ def test_hopper_and_portable_forwards_agree(kind):
     fa_style_check("lse", hopper[1], ref32.lse, portable[1], 2, repro)
 
 
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("kind", ["shared", "batch", "keys"])
+@pytest.mark.parametrize("dims", sorted(HOPPER_HEAD_DIMS), ids=[f"d{a}x{b}" for a, b in sorted(HOPPER_HEAD_DIMS)])
+def test_hopper_tiles_heads_innermost(dims, kind, causal, monkeypatch):
+    """The hopper forward's tile order for a bias broadcast over heads that L2 cannot hold
+    (heads_inner), forced at a shape with several batches, heads (GQA) and query tiles."""
+    from flashkiln import hopper_forward
+
+    plans = []
+    plan = hopper_forward.plan_hopper_forward
+    monkeypatch.setattr(hopper_forward, "heads_innermost", lambda *args: True)
+    monkeypatch.setattr(hopper_forward, "plan_hopper_forward",
+                        lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+    seed = seed_of("heads-inner", dims, kind, causal)
+    q, k, v, _, gen = _inputs(seed, 700, 450, dims)
+    repro = _repro("test_hopper_tiles_heads_innermost", seed=seed, dims=dims, kind=kind, causal=causal)
+    _forward_check(q, k, v, causal, _bias(kind, 700, 450, gen), repro, "hopper")
+    assert [launch.params.heads_inner for launch in plans] == [1]
+
+
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("kind", SHAPES)

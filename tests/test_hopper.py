@@ -15,7 +15,7 @@ from flashkiln.generator.families import FAMILIES
 from flashkiln.generator.render import render
 from flashkiln.generator.specs import load_variants
 from flashkiln.params import HopperFwdParams, params_layout
-from flashkiln import backends, tma
+from flashkiln import backends, hopper_forward, tma
 from flashkiln.bias import prepare_bias
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,6 +191,22 @@ def test_bias_maps_read_broadcast_dims_at_coordinate_0(shape, steps, rows):
     assert map_shape.dims == (70, shape[2], shape[1], shape[0]) and map_shape.box == (64, rows, 1, 1)
     if steps[0]:
         assert map_shape.strides[0] == 72 * 2  # rows padded to whole 16-byte pieces (runtime/bias.py)
+
+
+@pytest.mark.parametrize("shape, l2_bytes, expected", [
+    ((1, 1, 100, 70), 100 * 70 * 2 - 1, True),  # broadcast over heads: a plane of 100 x 70 bf16
+    ((2, 1, 100, 70), 100 * 70 * 2 - 1, True),
+    ((1, 1, 100, 70), 100 * 70 * 2, False),     # the plane fits in L2
+    ((1, 3, 100, 70), 1, False),                # one plane per head: none to share across heads
+    ((2, 1, 1, 70), 70 * 2 - 1, True),          # a key-padding row is its plane
+    ((2, 1, 1, 70), 100 * 70 * 2 - 1, False),
+])
+def test_heads_run_innermost_for_a_bias_shared_across_heads_that_l2_cannot_hold(shape, l2_bytes, expected):
+    q = torch.empty(2, 3, 100, 64, dtype=torch.bfloat16)
+    kernel_bias = prepare_bias(torch.randn(shape, dtype=torch.bfloat16), (2, 3, 100, 70), q)
+    bias_map = tma.BiasMap(tma.TmaDescriptor(), *tma.bias_view(kernel_bias.tensor)[1])
+    assert hopper_forward.heads_innermost(kernel_bias, bias_map, l2_bytes) is expected
+    assert not hopper_forward.heads_innermost(None, tma.BiasMap.none(), 0)
 
 
 # -- backend selection ---------------------------------------------------------------------------

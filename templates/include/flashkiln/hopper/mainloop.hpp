@@ -32,7 +32,7 @@ using namespace cute;
 template <class T>
 __device__ __forceinline__ TileScheduler<T::kCausal != Causal::none> make_scheduler(HopperFwdParams const& p) {
   return {p.num_m_blocks, p.heads_q, p.batch, p.tile_counter, T::kBlockM,
-          T::kCausal != Causal::none ? p.row_shift : 0};
+          T::kCausal != Causal::none ? p.row_shift : 0, T::kBias && p.heads_inner != 0};
 }
 
 // The tile's sequence: its lengths and where its tokens lie (sequence.hpp).
@@ -365,11 +365,28 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     }
     return t;
   };
+  // The bias tile of the current key tile's stage into acc_s (bias_tile_into), and its buffer
+  // released.
+  auto take_bias = [&](auto add) {
+    if constexpr (T::kBias) {
+      const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + kv.stage * T::kElemsBias);
+      Barrier::wait(&ss.bias.full[kv.stage], kv.phase);
+      if (p.bias_row_step) {
+        bias_tile_into<T::kBlockM, false, decltype(add)::value, typename T::Element>(acc_s, cS, tile, inv_scale);
+      } else {
+        bias_tile_into<T::kBlockM, true, decltype(add)::value, typename T::Element>(acc_s, cS, tile, inv_scale);
+      }
+      Barrier::arrive(&ss.bias.empty[kv.stage]);
+    }
+  };
   // S of the current key tile (kv.stage, once landed) from the Q in `slot`, as one wgmma group.
   auto issue_s = [&](int slot) {
+    if constexpr (T::kBiasFirst) {
+      take_bias(cute::false_type{});
+    }
     Barrier::wait(&ss.k_full[kv.stage], kv.phase);
     turns.wait();
-    wgmma_gemm<true>(mma_s, tSrQ(_, _, _, slot), tSrK(_, _, _, kv.stage), acc_s);
+    wgmma_gemm<!T::kBiasFirst>(mma_s, tSrQ(_, _, _, slot), tSrK(_, _, _, kv.stage), acc_s);
   };
   // O rescaled to the row maxima of the P about to join it, where the softmax asked for it.
   float rescale[kRows];
@@ -393,7 +410,8 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     warpgroup_wait<1>();
   };
   // Once S of key tile n_block is in acc_s, its K stage is free (but for the last key tile's where
-  // O is staged there) and the Q slot after the last, and the stage's bias tile joins the scores.
+  // O is staged there) and the Q slot after the last; the stage's bias tile joins the scores
+  // unless it was S's initial value.
   auto s_done = [&](Tile const& t, int n_block) {
     if (T::kOwnO || n_block > 0) {
       Barrier::arrive(&ss.k_empty[kv.stage]);
@@ -401,15 +419,8 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     if (n_block == 0) {
       Barrier::arrive(&ss.q_empty[t.q_slot]);
     }
-    if constexpr (T::kBias) {
-      const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + kv.stage * T::kElemsBias);
-      Barrier::wait(&ss.bias.full[kv.stage], kv.phase);
-      if (p.bias_row_step) {
-        add_bias_tile<T::kBlockM, false, typename T::Element>(acc_s, cS, tile, inv_scale);
-      } else {
-        add_bias_tile<T::kBlockM, true, typename T::Element>(acc_s, cS, tile, inv_scale);
-      }
-      Barrier::arrive(&ss.bias.empty[kv.stage]);
+    if constexpr (T::kBias && !T::kBiasFirst) {
+      take_bias(cute::true_type{});
     }
   };
   // Scores of key tile n_block to probabilities; O is rescaled (rescale_o) where `exponentiate`

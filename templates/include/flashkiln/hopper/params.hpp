@@ -42,7 +42,9 @@ struct HopperFwdParams {
   // batches); 0: a fixed round robin.
   uint64_t tile_counter;
   int32_t bias_row_step, bias_head_step, bias_batch_step;  // 1, or 0 where the bias broadcasts
-  uint8_t _pad[4];      // to a multiple of the descriptors' 64-byte alignment
+  // Nonzero: work tiles run heads innermost (tile_scheduler.hpp), for a bias broadcast over heads
+  // that does not stay in L2 otherwise (the runtime decides: hopper_forward.py).
+  int32_t heads_inner;
 };
 
 }  // namespace flashkiln

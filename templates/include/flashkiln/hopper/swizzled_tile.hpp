@@ -40,10 +40,11 @@ struct SwizzledPairs {
   }
 };
 
-// acc += bias / scale from the bias tile at shared address `tile` (the scores keep the unscaled
+// The bias tile at shared address `tile`, divided by the scale, into acc: added to S (kAdd), or
+// as S's initial value, onto which the S GEMM accumulates Q K^T (the scores keep the unscaled
 // Q K^T until the softmax, as in the portable kernels).
-template <int kRows, bool kRowBroadcast, class Element, class Acc, class Coords>
-__device__ __forceinline__ void add_bias_tile(Acc& acc, Coords const& coords, uint32_t tile, float inv_scale) {
+template <int kRows, bool kRowBroadcast, bool kAdd, class Element, class Acc, class Coords>
+__device__ __forceinline__ void bias_tile_into(Acc& acc, Coords const& coords, uint32_t tile, float inv_scale) {
   static_assert(sizeof(Element) == 2 && decltype(size<0, 0>(acc))::value == 2, "pairs of 2-byte entries");
   const SwizzledPairs<kRows, kRowBroadcast, Coords> offset(coords);
   cutlass::NumericArrayConverter<float, Element, 2> convert;
@@ -51,8 +52,8 @@ __device__ __forceinline__ void add_bias_tile(Acc& acc, Coords const& coords, ui
   for (int i = 0; i < size(acc); i += 2) {
     const uint32_t raw = load_shared_u32_at(tile + offset(i));
     const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(raw));
-    acc(i) = fmaf(pair[0], inv_scale, acc(i));
-    acc(i + 1) = fmaf(pair[1], inv_scale, acc(i + 1));
+    acc(i) = kAdd ? fmaf(pair[0], inv_scale, acc(i)) : pair[0] * inv_scale;
+    acc(i + 1) = kAdd ? fmaf(pair[1], inv_scale, acc(i + 1)) : pair[1] * inv_scale;
   }
 }
 

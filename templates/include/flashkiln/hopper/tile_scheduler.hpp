@@ -7,8 +7,9 @@
 // producer thread walks the schedule; it hands each tile to the consumers through shared memory.
 //
 // Order: batch, then head, then query tile, so that the CTAs in flight share the K/V of few heads
-// in L2. Under a causal mask a head's query tiles run last to first: the longest tiles start
-// first and the short ones fill the tail.
+// in L2; with a bias broadcast over heads that L2 cannot hold, batch, query tile, then head
+// (heads_inner), so that they share its tiles instead. Under a causal mask a head's query tiles
+// run last to first: the longest tiles start first and the short ones fill the tail.
 #pragma once
 
 #include <flashkiln/common.hpp>
@@ -38,11 +39,13 @@ struct TileScheduler {
   int num_m_blocks, heads, total;
   int* counter;  // or nullptr
   int block_m, row_shift;  // query tile rows; rows the grid starts above the sequence
+  bool heads_inner;
 
   __device__ __forceinline__ TileScheduler(int num_m_blocks_, int heads_, int batch, uint64_t counter_, int block_m_,
-                                           int row_shift_)
+                                           int row_shift_, bool heads_inner_)
       : num_m_blocks(num_m_blocks_), heads(heads_), total(num_m_blocks_ * heads_ * batch),
-        counter(reinterpret_cast<int*>(counter_)), block_m(block_m_), row_shift(row_shift_) {}
+        counter(reinterpret_cast<int*>(counter_)), block_m(block_m_), row_shift(row_shift_),
+        heads_inner(heads_inner_) {}
 
   __device__ __forceinline__ int first() const { return int(blockIdx.x); }
   __device__ __forceinline__ int next(int tile) const {
@@ -51,10 +54,13 @@ struct TileScheduler {
   __device__ __forceinline__ bool valid(int tile) const { return tile < total; }
 
   __device__ __forceinline__ WorkTile decode(int tile) const {
-    const int m = tile % num_m_blocks;
-    const int bh = tile / num_m_blocks;
+    const int inner = heads_inner ? heads : num_m_blocks;
+    const int outer = tile / inner;  // (batch, head) or (batch, query tile)
+    const int m = heads_inner ? outer % num_m_blocks : tile % inner;
+    const int head = heads_inner ? tile % inner : outer % heads;
+    const int batch = outer / (heads_inner ? num_m_blocks : heads);
     const int m_block = kLongestFirst ? num_m_blocks - 1 - m : m;
-    return {m_block * block_m - row_shift, bh % heads, bh / heads, 0, 0, 0, 0, 0};
+    return {m_block * block_m - row_shift, head, batch, 0, 0, 0, 0, 0};
   }
 };
 
