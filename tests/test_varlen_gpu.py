@@ -284,6 +284,29 @@ def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape, backend):
     fa_style_check("dsink", runs[0][4], ref32.dsink, reflp.dsink, 3, repro, floor=GRAD_FLOOR + rounding)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=["d64", "d128"])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_hopper_tiles_heads_innermost_on_packed_batches(causal, dims, monkeypatch):
+    """The hopper forward's heads-innermost tile order (forced; flashkiln.hopper_forward.heads_innermost)
+    on a packed batch with a bias shared across heads: query tiles past a shorter sequence's end are
+    skipped in that order too."""
+    _skip_unless_runs("hopper")
+    from flashkiln import hopper_forward
+
+    plans = []
+    plan = hopper_forward.plan_hopper_forward
+    monkeypatch.setattr(hopper_forward, "heads_innermost", lambda *args: True)
+    monkeypatch.setattr(hopper_forward, "plan_hopper_forward",
+                        lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+    seed = seed_of("varlen-heads-inner", causal, dims)
+    case = _packed_case(seed, "long", hq=6, hkv=2, dims=dims)
+    bias = _bias_of(case, "batch", torch.Generator(device="cuda").manual_seed(seed + 1))
+    out, lse = _forward(case, causal, bias, None, "hopper")
+    _check_forward(case, out, lse, causal, bias, None,
+                   _repro("test_hopper_tiles_heads_innermost_on_packed_batches", causal=causal, dims=dims))
+    assert [launch.params.heads_inner for launch in plans] == [1]
+
+
 def test_varlen_attention_autograd_and_compile():
     seed = seed_of("varlen-autograd")
     case = _packed_case(seed, "self", hq=4, hkv=2, dtype=torch.float16)
