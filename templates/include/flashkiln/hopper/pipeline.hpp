@@ -2,9 +2,10 @@
 //
 // Each K/V stage has a "full" and an "empty" barrier per operand: one arrival by the producer
 // fills (it also announces the bytes TMA will deliver); every consumer thread arrives on "empty"
-// once its MMAs stop reading the operand (K after S = Q K^T, V after O += P V, a step later). A waiter tracks the phase parity it expects; the
-// producer starts at parity 1 on the empty barriers, which a fresh barrier reports as completed,
-// so the first pass through the ring does not wait.
+// once its MMAs stop reading the operand (K after S = Q K^T, V after O += P V, a step later). A
+// waiter tracks the phase parity it expects; the producer starts at parity 1 on the empty
+// barriers, which a fresh barrier reports as completed, so the first pass through the ring does
+// not wait.
 #pragma once
 
 #include <cutlass/arch/barrier.h>

@@ -58,9 +58,9 @@ struct FwdTraits {
   // of O per thread, the warp vote costs more than the multiplications it skips (-4-7%).
   static constexpr bool kLazyRescale = kDimV >= 128;
   // Where the bias joins the scores: as S's initial value, written before the S GEMM is issued
-  // (kBiasFirst), or added once S has landed. First measured +1% (full bias) and +3-6% (shared)
-  // with three consumer warpgroups (d 64), which take no turns; with two, whose S waits for its
-  // turn, 0% at d 128 and -6% at d 256 (docs/perf.md, v15).
+  // (kBiasFirst), or added once S has landed. Against the add, the initial value measured +1%
+  // (full bias) and +3-6% (shared) with three consumer warpgroups (d 64), which take no turns;
+  // with two, whose S waits for its turn, 0% at d 128 and -6% at d 256 (docs/perf.md, v15).
   static constexpr bool kBiasFirst = kBias && !kPingPong;
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),

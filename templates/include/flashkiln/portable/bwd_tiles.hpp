@@ -38,7 +38,8 @@ __device__ __forceinline__ int visiting_key_tiles(int m_block, int n_tiles, int 
 // The dS workspace of the workspace route: dense (batch * heads_q, seqlen_q, ld) row-major, with
 // rows padded to whole 16-byte pieces (ld = seqlen_k rounded up to 8 elements), so that dBias of
 // a full bias is a view of it. A packed batch's sequences each take the top-left corner of their
-// (batch, head) plane, whose sides are the longest sequence lengths. Returns one (batch, head)'s dS as (kBlockM, kBlockN) tiles, (M, N, m, n).
+// (batch, head) plane, whose sides are the longest sequence lengths. Returns one (batch, head)'s
+// dS as (kBlockM, kBlockN) tiles, (M, N, m, n).
 template <class Element, int kBlockM, int kBlockN>
 __device__ __forceinline__ auto ds_workspace_tiles(BwdParams const& p, int64_t bh) {
   static_assert(sizeof(Element) == 2, "rows are padded to multiples of 8 two-byte elements");
@@ -46,7 +47,8 @@ __device__ __forceinline__ auto ds_workspace_tiles(BwdParams const& p, int64_t b
   Element* base = reinterpret_cast<Element*>(p.ds_workspace) + bh * p.seqlen_q * ld;
   auto ds = cute::make_tensor(cute::make_gmem_ptr(base), cute::make_shape(p.seqlen_q, p.seqlen_k),
                               cute::make_stride(ld, cute::_1{}));
-  return cute::local_tile(ds, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}, cute::make_coord(cute::_, cute::_));
+  return cute::local_tile(ds, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{},
+                          cute::make_coord(cute::_, cute::_));
 }
 
 }  // namespace flashkiln::portable
