@@ -4,13 +4,13 @@ Method of bench/bench.py (median of CUDA-event timings of single calls after a s
 bf16, H = 2048 / d, B = 16384 / S, causal = top-left square. Each build's output is also compared
 with cuDNN's (max |O - O_cudnn|).
 
-Usage: tools/pyenv.sh python3 bench/bench_hopper_variants.py LABEL=KERNEL_DIR[@full|@shared] ...
+Usage: tools/pyenv.sh python3 bench/bench_hopper_variants.py LABEL=KERNEL_DIR[@full|@shared|@heads] ...
        [--seqlens 2048 8192] [--head-dims 64 128 192x128 256] [--causal both|off|on] [--json out.json]
-A build named with @full or @shared runs with an additive bias of shape (B, H, S, S) or (1, 1, S, S)
-(non-causal rows only), so that builds with and without a bias compare in one process; its output
-is compared with torch's efficient backend on the same bias. A head dim d_qkxd_v (192x128) runs
-with H = 2048 / d_qk and 2 (d_qk + d_v) FLOPs per visible pair; where cuDNN refuses it, torch's
-efficient backend takes its column.
+A build named with @full, @shared or @heads runs with an additive bias of shape (B, H, S, S),
+(1, 1, S, S) or (1, H, S, S) (non-causal rows only), so that builds with and without a bias
+compare in one process; its output is compared with torch's efficient backend on the same bias.
+A head dim d_qkxd_v (192x128) runs with H = 2048 / d_qk and 2 (d_qk + d_v) FLOPs per visible
+pair; where cuDNN refuses it, torch's efficient backend takes its column.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def main() -> None:
                            for dim in (d, d, d_v))
                 flops = 2 * b * h * (d + d_v) * visible_pairs(s, s, causal)
 
-                biases = {"full": (b, h, s, s), "shared": (1, 1, s, s)}
+                biases = {"full": (b, h, s, s), "shared": (1, 1, s, s), "heads": (1, h, s, s)}
                 biases = {name: torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
                           for name, shape in biases.items() if not causal and any(x[1] == name for x in builds.values())}
 

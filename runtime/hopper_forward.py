@@ -18,17 +18,26 @@ from .varlen import BatchShape, PackedBatch
 _O_BOX_ROWS = 64
 
 
-def heads_innermost(bias: KernelBias | None, bias_map: tma.BiasMap, l2_bytes: int) -> bool:
-    """Whether work tiles run heads innermost (HopperFwdParams.heads_inner): for a bias broadcast
-    over heads whose (S_q, S_k) plane does not fit in L2. The CTAs in flight then read the same bias
-    tiles; in the default order (query tiles innermost) they read distinct ones, which at S >= 8k
-    come from HBM once per head. Measured on an H200 with a (1, 1, S, S) bias (docs/perf.md, v15):
-    S 8k-16k +7-11% at d 64, +3-5% at d 128, +1-4% at d 256; at S <= 4k, where the plane fits,
-    -3 to +6% by head dim, so the order stays."""
-    if bias is None or bias_map.head_step != 0:
-        return False
-    _, _, rows, cols = bias.tensor.shape
-    return (rows if bias_map.row_step else 1) * cols * bias.tensor.element_size() > l2_bytes
+# The work tiles' innermost dim (HopperFwdParams.tile_order; TileOrder in hopper/tile_scheduler.hpp).
+QUERY_TILES_INNER, HEADS_INNER, BATCH_INNER = 0, 1, 2
+
+
+def tile_order(bias: KernelBias | None, bias_map: tma.BiasMap, batch: int, l2_bytes: int) -> int:
+    """The hopper forward's tile order for a call: query tiles innermost, so that the CTAs in flight
+    share one head's K and V, unless a bias broadcast over heads or batches would then stream from
+    HBM again for each of them. Heads run innermost where a bias shared across heads has an
+    (S_q, S_k) plane that does not fit in L2; batch entries where a bias shared across them does
+    not fit in L2 (all its heads). Then the CTAs in flight read the same bias tiles. Measured on an
+    H200 (docs/perf.md, v15)."""
+    if bias is None:
+        return QUERY_TILES_INNER
+    _, heads, rows, cols = bias.tensor.shape
+    plane = (rows if bias_map.row_step else 1) * cols * bias.tensor.element_size()
+    if bias_map.head_step == 0 and plane > l2_bytes:
+        return HEADS_INNER
+    if bias_map.batch_step == 0 and batch > 1 and plane * (heads if bias_map.head_step else 1) > l2_bytes:
+        return BATCH_INNER
+    return QUERY_TILES_INNER
 
 
 def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -67,7 +76,7 @@ def plan_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         bias_batch_step=bias_map.batch_step,
     )
     device = torch.cuda.get_device_properties(target.device)
-    params.heads_inner = heads_innermost(bias, bias_map, device.L2_cache_size)
+    params.tile_order = tile_order(bias, bias_map, shape.batch, device.L2_cache_size)
     # Persistent: one CTA per SM (each takes all of an SM's registers).
     sms = device.multi_processor_count
     return KernelLaunch(entry, (min(num_m_blocks * hq * shape.batch, sms), 1, 1), params,

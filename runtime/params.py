@@ -121,7 +121,7 @@ class HopperFwdParams(ctypes.Structure):
         ("bias_row_step", ctypes.c_int32),
         ("bias_head_step", ctypes.c_int32),
         ("bias_batch_step", ctypes.c_int32),
-        ("heads_inner", ctypes.c_int32),
+        ("tile_order", ctypes.c_int32),
     ]
 
 

@@ -193,20 +193,28 @@ def test_bias_maps_read_broadcast_dims_at_coordinate_0(shape, steps, rows):
         assert map_shape.strides[0] == 72 * 2  # rows padded to whole 16-byte pieces (runtime/bias.py)
 
 
-@pytest.mark.parametrize("shape, l2_bytes, expected", [
-    ((1, 1, 100, 70), 100 * 70 * 2 - 1, True),  # broadcast over heads: a plane of 100 x 70 bf16
-    ((2, 1, 100, 70), 100 * 70 * 2 - 1, True),
-    ((1, 1, 100, 70), 100 * 70 * 2, False),     # the plane fits in L2
-    ((1, 3, 100, 70), 1, False),                # one plane per head: none to share across heads
-    ((2, 1, 1, 70), 70 * 2 - 1, True),          # a key-padding row is its plane
-    ((2, 1, 1, 70), 100 * 70 * 2 - 1, False),
+PLANE = 100 * 70 * 2  # bytes of one (S_q, S_k) = (100, 70) bf16 plane
+
+
+@pytest.mark.parametrize("shape, batch, l2_bytes, expected", [
+    ((1, 1, 100, 70), 2, PLANE - 1, "heads"),      # shared across heads, its plane past L2
+    ((2, 1, 100, 70), 2, PLANE - 1, "heads"),
+    ((1, 1, 100, 70), 2, PLANE, "query"),          # the plane fits in L2
+    ((2, 1, 1, 70), 2, 70 * 2 - 1, "heads"),       # a key-padding row is its plane
+    ((2, 1, 1, 70), 2, PLANE - 1, "query"),
+    ((1, 3, 100, 70), 2, 3 * PLANE - 1, "batch"),  # shared across the batch: all its heads past L2
+    ((1, 3, 100, 70), 2, 3 * PLANE, "query"),
+    ((1, 3, 100, 70), 1, 1, "query"),              # one batch entry: nothing to share
+    ((2, 3, 100, 70), 2, 1, "query"),              # a full bias shares nothing
 ])
-def test_heads_run_innermost_for_a_bias_shared_across_heads_that_l2_cannot_hold(shape, l2_bytes, expected):
-    q = torch.empty(2, 3, 100, 64, dtype=torch.bfloat16)
-    kernel_bias = prepare_bias(torch.randn(shape, dtype=torch.bfloat16), (2, 3, 100, 70), q)
+def test_tile_order_puts_a_broadcast_dim_innermost_where_l2_cannot_hold_the_bias(shape, batch, l2_bytes, expected):
+    q = torch.empty(batch, 3, 100, 64, dtype=torch.bfloat16)
+    kernel_bias = prepare_bias(torch.randn(shape, dtype=torch.bfloat16), (batch, 3, 100, 70), q)
     bias_map = tma.BiasMap(tma.TmaDescriptor(), *tma.bias_view(kernel_bias.tensor)[1])
-    assert hopper_forward.heads_innermost(kernel_bias, bias_map, l2_bytes) is expected
-    assert not hopper_forward.heads_innermost(None, tma.BiasMap.none(), 0)
+    orders = {"query": hopper_forward.QUERY_TILES_INNER, "heads": hopper_forward.HEADS_INNER,
+              "batch": hopper_forward.BATCH_INNER}
+    assert hopper_forward.tile_order(kernel_bias, bias_map, batch, l2_bytes) == orders[expected]
+    assert hopper_forward.tile_order(None, tma.BiasMap.none(), batch, 0) == hopper_forward.QUERY_TILES_INNER
 
 
 # -- backend selection ---------------------------------------------------------------------------

@@ -286,25 +286,28 @@ def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape, backend):
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=["d64", "d128"])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-def test_hopper_tiles_heads_innermost_on_packed_batches(causal, dims, monkeypatch):
-    """The hopper forward's heads-innermost tile order (forced; flashkiln.hopper_forward.heads_innermost)
-    on a packed batch with a bias shared across heads: query tiles past a shorter sequence's end are
-    skipped in that order too."""
+@pytest.mark.parametrize("order", ["heads", "batch"])
+def test_hopper_tile_orders_on_packed_batches(order, causal, dims, monkeypatch):
+    """The hopper forward's tile orders for broadcast biases (forced; flashkiln.hopper_forward.tile_order)
+    on a packed batch with a bias broadcast along the innermost dim: query tiles past a shorter
+    sequence's end are skipped in either order too."""
     _skip_unless_runs("hopper")
     from flashkiln import hopper_forward
 
+    forced = {"heads": hopper_forward.HEADS_INNER, "batch": hopper_forward.BATCH_INNER}[order]
     plans = []
     plan = hopper_forward.plan_hopper_forward
-    monkeypatch.setattr(hopper_forward, "heads_innermost", lambda *args: True)
+    monkeypatch.setattr(hopper_forward, "tile_order", lambda *args: forced)
     monkeypatch.setattr(hopper_forward, "plan_hopper_forward",
                         lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
-    seed = seed_of("varlen-heads-inner", causal, dims)
+    seed = seed_of("varlen-tile-order", order, causal, dims)
     case = _packed_case(seed, "long", hq=6, hkv=2, dims=dims)
-    bias = _bias_of(case, "batch", torch.Generator(device="cuda").manual_seed(seed + 1))
+    bias = _bias_of(case, {"heads": "batch", "batch": "heads"}[order],
+                    torch.Generator(device="cuda").manual_seed(seed + 1))
     out, lse = _forward(case, causal, bias, None, "hopper")
     _check_forward(case, out, lse, causal, bias, None,
-                   _repro("test_hopper_tiles_heads_innermost_on_packed_batches", causal=causal, dims=dims))
-    assert [launch.params.heads_inner for launch in plans] == [1]
+                   _repro("test_hopper_tile_orders_on_packed_batches", order=order, causal=causal, dims=dims))
+    assert [launch.params.tile_order for launch in plans] == [forced]
 
 
 def test_varlen_attention_autograd_and_compile():

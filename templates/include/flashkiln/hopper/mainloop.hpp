@@ -32,7 +32,7 @@ using namespace cute;
 template <class T>
 __device__ __forceinline__ TileScheduler<T::kCausal != Causal::none> make_scheduler(HopperFwdParams const& p) {
   return {p.num_m_blocks, p.heads_q, p.batch, p.tile_counter, T::kBlockM,
-          T::kCausal != Causal::none ? p.row_shift : 0, T::kBias && p.heads_inner != 0};
+          T::kCausal != Causal::none ? p.row_shift : 0, T::kBias ? p.tile_order : int(kQueryTilesInner)};
 }
 
 // The tile's sequence: its lengths and where its tokens lie (sequence.hpp).

@@ -42,9 +42,10 @@ struct HopperFwdParams {
   // batches); 0: a fixed round robin.
   uint64_t tile_counter;
   int32_t bias_row_step, bias_head_step, bias_batch_step;  // 1, or 0 where the bias broadcasts
-  // Nonzero: work tiles run heads innermost (tile_scheduler.hpp), for a bias broadcast over heads
-  // that does not stay in L2 otherwise (the runtime decides: hopper_forward.py).
-  int32_t heads_inner;
+  // The work tiles' innermost dim (tile_scheduler.hpp, TileOrder): heads or batches for a bias
+  // broadcast along them that does not stay in L2 otherwise (the runtime decides:
+  // hopper_forward.tile_order); query tiles otherwise.
+  int32_t tile_order;
 };
 
 }  // namespace flashkiln

@@ -6,10 +6,11 @@
 // longest one (the producer skips those past a shorter sequence's end). Only the
 // producer thread walks the schedule; it hands each tile to the consumers through shared memory.
 //
-// Order: batch, then head, then query tile, so that the CTAs in flight share the K/V of few heads
-// in L2; with a bias broadcast over heads that L2 cannot hold, batch, query tile, then head
-// (heads_inner), so that they share its tiles instead. Under a causal mask a head's query tiles
-// run last to first: the longest tiles start first and the short ones fill the tail.
+// Order (TileOrder): batch, then head, then query tile, so that the CTAs in flight share the K/V
+// of few heads in L2. With a bias broadcast over heads or batches that L2 cannot hold, the
+// broadcast dim runs innermost instead, so that they share its tiles. Under a causal mask a
+// head's query tiles run last to first: the longest tiles start first and the short ones fill
+// the tail.
 #pragma once
 
 #include <flashkiln/common.hpp>
@@ -34,18 +35,21 @@ __device__ __forceinline__ int2 seqlens(HopperFwdParams const& p, WorkTile const
   return kPacked ? make_int2(w.seqlen_q, w.seqlen_k) : make_int2(p.seqlen_q, p.seqlen_k);
 }
 
+// The innermost dim of the work tiles' order (HopperFwdParams.tile_order); the others keep
+// batch, head, query tile from the outside in.
+enum TileOrder : int { kQueryTilesInner = 0, kHeadsInner = 1, kBatchInner = 2 };
+
 template <bool kLongestFirst>
 struct TileScheduler {
-  int num_m_blocks, heads, total;
+  int num_m_blocks, heads, batch, total;
   int* counter;  // or nullptr
   int block_m, row_shift;  // query tile rows; rows the grid starts above the sequence
-  bool heads_inner;
+  int order;  // TileOrder
 
-  __device__ __forceinline__ TileScheduler(int num_m_blocks_, int heads_, int batch, uint64_t counter_, int block_m_,
-                                           int row_shift_, bool heads_inner_)
-      : num_m_blocks(num_m_blocks_), heads(heads_), total(num_m_blocks_ * heads_ * batch),
-        counter(reinterpret_cast<int*>(counter_)), block_m(block_m_), row_shift(row_shift_),
-        heads_inner(heads_inner_) {}
+  __device__ __forceinline__ TileScheduler(int num_m_blocks_, int heads_, int batch_, uint64_t counter_, int block_m_,
+                                           int row_shift_, int order_)
+      : num_m_blocks(num_m_blocks_), heads(heads_), batch(batch_), total(num_m_blocks_ * heads_ * batch_),
+        counter(reinterpret_cast<int*>(counter_)), block_m(block_m_), row_shift(row_shift_), order(order_) {}
 
   __device__ __forceinline__ int first() const { return int(blockIdx.x); }
   __device__ __forceinline__ int next(int tile) const {
@@ -54,13 +58,22 @@ struct TileScheduler {
   __device__ __forceinline__ bool valid(int tile) const { return tile < total; }
 
   __device__ __forceinline__ WorkTile decode(int tile) const {
-    const int inner = heads_inner ? heads : num_m_blocks;
-    const int outer = tile / inner;  // (batch, head) or (batch, query tile)
-    const int m = heads_inner ? outer % num_m_blocks : tile % inner;
-    const int head = heads_inner ? tile % inner : outer % heads;
-    const int batch = outer / (heads_inner ? num_m_blocks : heads);
+    int m, head, b;
+    if (order == kHeadsInner) {  // batch, query tile, head
+      head = tile % heads;
+      m = tile / heads % num_m_blocks;
+      b = tile / heads / num_m_blocks;
+    } else if (order == kBatchInner) {  // head, query tile, batch
+      b = tile % batch;
+      m = tile / batch % num_m_blocks;
+      head = tile / batch / num_m_blocks;
+    } else {  // batch, head, query tile
+      m = tile % num_m_blocks;
+      head = tile / num_m_blocks % heads;
+      b = tile / num_m_blocks / heads;
+    }
     const int m_block = kLongestFirst ? num_m_blocks - 1 - m : m;
-    return {m_block * block_m - row_shift, head, batch, 0, 0, 0, 0, 0};
+    return {m_block * block_m - row_shift, head, b, 0, 0, 0, 0, 0};
   }
 };
 
