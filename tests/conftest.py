@@ -23,6 +23,26 @@ def _exact_fp32_reference():
     yield
 
 
+@pytest.fixture
+def force_tile_order(monkeypatch):
+    """force(order) makes the hopper forward run work tiles in `order` ("heads" or "batch"
+    innermost; flashkiln.hopper_forward.tile_order) and returns (the order's value, the launches
+    planned from then on)."""
+
+    def force(order: str) -> tuple[int, list]:
+        from flashkiln import hopper_forward
+
+        value = {"heads": hopper_forward.HEADS_INNER, "batch": hopper_forward.BATCH_INNER}[order]
+        plans: list = []
+        plan = hopper_forward.plan_hopper_forward
+        monkeypatch.setattr(hopper_forward, "tile_order", lambda *args: value)
+        monkeypatch.setattr(hopper_forward, "plan_hopper_forward",
+                            lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+        return value, plans
+
+    return force
+
+
 def _gpu_unavailable_reason() -> str | None:
     try:
         import torch

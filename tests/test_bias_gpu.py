@@ -117,18 +117,11 @@ def test_hopper_and_portable_forwards_agree(kind):
 @pytest.mark.parametrize("kind", ["shared", "heads", "batch", "keys"])
 @pytest.mark.parametrize("dims", sorted(HOPPER_HEAD_DIMS), ids=[f"d{a}x{b}" for a, b in sorted(HOPPER_HEAD_DIMS)])
 @pytest.mark.parametrize("order", ["heads", "batch"])
-def test_hopper_tile_orders(order, dims, kind, causal, monkeypatch):
+def test_hopper_tile_orders(order, dims, kind, causal, force_tile_order):
     """The hopper forward's tile orders for biases broadcast over heads or batches that L2 cannot
     hold (flashkiln.hopper_forward.tile_order), forced at a shape with several batches, heads
     (GQA) and query tiles."""
-    from flashkiln import hopper_forward
-
-    forced = {"heads": hopper_forward.HEADS_INNER, "batch": hopper_forward.BATCH_INNER}[order]
-    plans = []
-    plan = hopper_forward.plan_hopper_forward
-    monkeypatch.setattr(hopper_forward, "tile_order", lambda *args: forced)
-    monkeypatch.setattr(hopper_forward, "plan_hopper_forward",
-                        lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+    forced, plans = force_tile_order(order)
     seed = seed_of("tile-order", order, dims, kind, causal)
     q, k, v, _, gen = _inputs(seed, 700, 450, dims)
     repro = _repro("test_hopper_tile_orders", seed=seed, order=order, dims=dims, kind=kind, causal=causal)

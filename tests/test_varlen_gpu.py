@@ -287,19 +287,12 @@ def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape, backend):
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=["d64", "d128"])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("order", ["heads", "batch"])
-def test_hopper_tile_orders_on_packed_batches(order, causal, dims, monkeypatch):
+def test_hopper_tile_orders_on_packed_batches(order, causal, dims, force_tile_order):
     """The hopper forward's tile orders for broadcast biases (forced; flashkiln.hopper_forward.tile_order)
     on a packed batch with a bias broadcast along the innermost dim: query tiles past a shorter
     sequence's end are skipped in either order too."""
     _skip_unless_runs("hopper")
-    from flashkiln import hopper_forward
-
-    forced = {"heads": hopper_forward.HEADS_INNER, "batch": hopper_forward.BATCH_INNER}[order]
-    plans = []
-    plan = hopper_forward.plan_hopper_forward
-    monkeypatch.setattr(hopper_forward, "tile_order", lambda *args: forced)
-    monkeypatch.setattr(hopper_forward, "plan_hopper_forward",
-                        lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+    forced, plans = force_tile_order(order)
     seed = seed_of("varlen-tile-order", order, causal, dims)
     case = _packed_case(seed, "long", hq=6, hkv=2, dims=dims)
     bias = _bias_of(case, {"heads": "batch", "batch": "heads"}[order],
