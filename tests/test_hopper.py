@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,17 @@ def test_tile_order_puts_a_broadcast_dim_innermost_where_l2_cannot_hold_the_bias
               "batch": hopper_forward.BATCH_INNER}
     assert hopper_forward.tile_order(kernel_bias, bias_map, batch, l2_bytes) == orders[expected]
     assert hopper_forward.tile_order(None, tma.BiasMap.none(), batch, 0) == hopper_forward.QUERY_TILES_INNER
+
+
+def test_tile_order_values_match_the_kernels_enum():
+    """hopper_forward's tile orders are the values of TileOrder in hopper/tile_scheduler.hpp, which
+    the kernel reads from HopperFwdParams.tile_order (the ABI check covers the field, not these)."""
+    header = (REPO / "templates/include/flashkiln/hopper/tile_scheduler.hpp").read_text()
+    enum = re.search(r"enum TileOrder : int \{([^}]*)\}", header)
+    assert enum, "TileOrder not found in tile_scheduler.hpp"
+    values = {name: int(value) for name, value in re.findall(r"(\w+) = (\d+)", enum.group(1))}
+    assert values == {"kQueryTilesInner": hopper_forward.QUERY_TILES_INNER,
+                      "kHeadsInner": hopper_forward.HEADS_INNER, "kBatchInner": hopper_forward.BATCH_INNER}
 
 
 # -- backend selection ---------------------------------------------------------------------------
