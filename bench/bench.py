@@ -80,6 +80,13 @@ def matmul_peak_tflops() -> float:
     return 2 * 8192**3 / (time_ms(lambda: a @ b, 3, 10) * 1e-3) / 1e12
 
 
+def read_bandwidth_tbps() -> float:
+    """Device memory read bandwidth: a sum over 4 GiB of bf16, far past L2 (the bound a full bias
+    stream meets; docs/perf.md, v16)."""
+    x = torch.randn(2 << 30, device="cuda", dtype=torch.bfloat16)
+    return x.numel() * x.element_size() / (time_ms(lambda: x.sum(dtype=torch.float32), 3, 20) * 1e-3) / 1e12
+
+
 def torch_sdpa(backend: SDPBackend, causal: bool) -> Attention:
     def attend(q, k, v, **kwargs):
         with sdpa_kernel(backend):
@@ -278,6 +285,7 @@ def run(args: argparse.Namespace) -> dict:
         "flashkiln": flashkiln.__version__,
         "kernel_build": {name: (reg or KernelRegistry()).manifest.build for name, reg in registries.items()},
         "bf16_matmul_tflops": matmul_peak_tflops(),
+        "read_TBps": read_bandwidth_tbps(),
         "method": "median of CUDA-event timings of single calls after a sleep kernel; bf16; "
                   "H=2048/d, B=16384/S; FLOPs 4*B*H*d*visible pairs (backward 2.5x; its time "
                   "median(fwd+bwd) - median(fwd))",
@@ -361,7 +369,7 @@ def main() -> None:
     for p in args.passes:
         chart(result, p, args.out / f"{'forward' if p == 'fwd' else 'backward'}.png")
     print(f"\n{result['device']}, torch {result['torch']}, cuDNN {result['cudnn']}, "
-          f"bf16 matmul {result['bf16_matmul_tflops']:.0f} TFLOP/s\n")
+          f"bf16 matmul {result['bf16_matmul_tflops']:.0f} TFLOP/s, memory read {result['read_TBps']:.2f} TB/s\n")
     print(tables)
 
 
