@@ -53,17 +53,18 @@ class CompileUnit:
         return f"{first.kernel}_{first.family}_{first.arch.replace('_', '')}_{dims}_{self.key[:8]}"
 
 
+def make_unit(members: list[Variant]) -> CompileUnit:
+    """Variants of one unit_key rendered together, with their compile-cache key."""
+    members = sorted(members, key=lambda v: v.descriptor.name)
+    source = render_unit([v.descriptor for v in members])
+    return CompileUnit(tuple(members), source, cache_key(source, toolchain().identity, members[0].descriptor.arch))
+
+
 def _units(variants: list[Variant]) -> list[CompileUnit]:
     groups: dict[tuple, list[Variant]] = {}
     for v in variants:
         groups.setdefault(unit_key(v.descriptor), []).append(v)
-    tc = toolchain()
-    units = []
-    for members in groups.values():
-        members.sort(key=lambda v: v.descriptor.name)
-        source = render_unit([v.descriptor for v in members])
-        units.append(CompileUnit(tuple(members), source, cache_key(source, tc.identity, members[0].descriptor.arch)))
-    return sorted(units, key=lambda u: u.name)
+    return sorted((make_unit(members) for members in groups.values()), key=lambda u: u.name)
 
 
 @dataclass(frozen=True)
@@ -165,24 +166,22 @@ def _report(units: list[CompileUnit], results: dict[str, CompileResult], compile
     print("  cubins per arch: " + ", ".join(f"{a} {n / 2**20:.1f} MiB" for a, n in sorted(per_arch.items())))
 
 
-def _entries(unit: CompileUnit, result: CompileResult, cubin_name: str) -> list[KernelEntry]:
+def kernel_entry(variant: Variant, result: CompileResult, cubin_name: str) -> KernelEntry:
+    """The manifest entry of one variant of a compiled unit (`make generate` and the JIT alike)."""
     tc = toolchain()
-    entries = []
-    for variant in unit.variants:
-        d = variant.descriptor
-        family = FAMILIES[d.family]
-        usage = result.resources(d.symbol)
-        entries.append(KernelEntry(
-            hash=d.hash, name=d.name, symbol=d.symbol, arch=d.arch, descriptor=d.as_dict(),
-            cubin=cubin_name, sha256=hashlib.sha256(result.cubin).hexdigest(), cubin_bytes=len(result.cubin),
-            threads=family.threads(d), smem_bytes=family.smem_bytes(d),
-            params_layout=params_layout(d.kernel, d.family).digest, registers=usage.registers,
-            spill_bytes=usage.spill_bytes, compile_seconds=round(result.seconds, 2), spec=variant.spec_file,
-            relative_speed=variant.relative_speed,
-            nvrtc_version=tc.versions["nvrtc"], cutlass_version=tc.versions["nvidia-cutlass"],
-            generator_version=GENERATOR_VERSION,
-        ))
-    return entries
+    d = variant.descriptor
+    family = FAMILIES[d.family]
+    usage = result.resources(d.symbol)
+    return KernelEntry(
+        hash=d.hash, name=d.name, symbol=d.symbol, arch=d.arch, descriptor=d.as_dict(),
+        cubin=cubin_name, sha256=hashlib.sha256(result.cubin).hexdigest(), cubin_bytes=len(result.cubin),
+        threads=family.threads(d), smem_bytes=family.smem_bytes(d),
+        params_layout=params_layout(d.kernel, d.family).digest, registers=usage.registers,
+        spill_bytes=usage.spill_bytes, compile_seconds=round(result.seconds, 2), spec=variant.spec_file,
+        relative_speed=variant.relative_speed,
+        nvrtc_version=tc.versions["nvrtc"], cutlass_version=tc.versions["nvidia-cutlass"],
+        generator_version=GENERATOR_VERSION,
+    )
 
 
 def build_identity(specs_dir: Path) -> dict:
@@ -218,7 +217,7 @@ def generate(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1,
         result = results[unit.key]
         atomic_write(out_dir / f"{unit.name}.cubin", result.cubin, 0o644)
         atomic_write(out_dir / "src" / f"{unit.name}.cu", unit.source.encode(), 0o644)
-        entries += _entries(unit, result, f"{unit.name}.cubin")
+        entries += [kernel_entry(v, result, f"{unit.name}.cubin") for v in unit.variants]
     build = {**build_identity(specs_dir), "selection": selection.describe()}
     manifest = Manifest(out_dir, build, tuple(sorted(entries, key=lambda e: e.name)))
     atomic_write(out_dir / MANIFEST_NAME, manifest.to_json().encode(), 0o644)

@@ -1,7 +1,10 @@
-"""Compile one variant on demand (the runtime's opt-in JIT): request -> descriptor -> cubin.
+"""Compile one variant on demand (the runtime's opt-in JIT): request -> spec variant -> cubin.
 
-The performance fields come from the tuning tables shipped with the generator (the same tables
-`make generate` uses), so a JIT-compiled variant is the one the specs would have built;
+A request resolves through the same spec loader as `make generate`, so a variant gets the tuning
+its own group names (e.g. specs/tuning/hopper-bias.yaml), and renders and compiles as a compile
+unit of its own, through the build's unit and entry code. The unit's key is the build cache's:
+it hashes the rendered source, the toolchain (NVRTC, header packages, flashkiln's own headers)
+and the arch, so the runtime's JIT cache, keyed by it, never serves a cubin of edited headers.
 $FLASHKILN_JIT_SPECS points the JIT at another specs directory.
 """
 from __future__ import annotations
@@ -11,50 +14,31 @@ from pathlib import Path
 from typing import Any
 
 from flashkiln import descriptor as D
-from flashkiln.descriptor import VariantDescriptor
 
-from . import located_yaml
-from .families import FAMILIES
-from .nvrtc import compile_cubin
-from .render import render
-from .specs import head_dims_key, tuning_row
+from .build import CompileUnit, kernel_entry, make_unit
+from .nvrtc import CompileResult, compile_cubin
+from .specs import load_variants
 from .toolchain import SPECS_DIR, toolchain
+
+__all__ = ["JitError", "compile_variant", "kernel_entry", "plan_unit"]
 
 
 class JitError(LookupError):
-    """The variant cannot be compiled on demand (no tuning for it, or the family refuses it)."""
+    """The variant cannot be compiled on demand (no spec enumerates it)."""
 
 
-def tuned_descriptor(request: dict[str, Any], arch: str) -> VariantDescriptor:
-    """The full descriptor of `request` for `arch`, with performance fields from the tuning table."""
+def plan_unit(request: dict[str, Any], arch: str) -> CompileUnit:
+    """The compile unit of the spec variant `request` names on `arch` (its reference tuning)."""
     specs_dir = Path(os.environ.get("FLASHKILN_JIT_SPECS", SPECS_DIR))
-    table_path = specs_dir / "tuning" / f"{request['family']}.yaml"
-    table = located_yaml.load(table_path) if table_path.is_file() else {}
-    dims = head_dims_key(request["d_qk"], request["d_v"])
-    row = tuning_row(table, request["kernel"], arch, (request["d_qk"], request["d_v"]))
-    if row is None:
-        raise JitError(f"no tuning for {request['kernel']} {arch} head dims {dims} in {table_path}: add a row "
-                       f"{request['kernel']}: {arch}: {dims}: {{{', '.join(f'{k}: ...' for k in D.PERFORMANCE_FIELDS)}}}")
-    descriptor = VariantDescriptor(**{**request, "arch": arch}, **{k: row[k] for k in D.PERFORMANCE_FIELDS})
-    family = FAMILIES[descriptor.family]
-    problems = family.functional_errors(descriptor) + family.tuning_errors(descriptor)
-    if problems:
-        raise JitError(f"{descriptor.name} cannot be built: " + "; ".join(problems))
-    return descriptor
+    fields = {**D.with_later_defaults(request), "arch": arch}
+    wanted = tuple(fields[k] for k in D.FUNCTIONAL_FIELDS)
+    matches = [v for v in load_variants(specs_dir) if v.descriptor.functional_key == wanted]
+    if not matches:
+        described = ", ".join(f"{k}={fields[k]}" for k in D.FUNCTIONAL_FIELDS)
+        raise JitError(f"no spec in {specs_dir} enumerates {described}: add it to a variant group of the "
+                       "family's spec (with a tuning row) and it compiles on first use")
+    return make_unit([min(matches, key=lambda v: v.relative_speed != 1)])
 
 
-def compile_variant(descriptor: VariantDescriptor) -> tuple[bytes, dict[str, Any]]:
-    """The cubin of `descriptor` and the manifest fields that describe it."""
-    family = FAMILIES[descriptor.family]
-    tc = toolchain()
-    result = compile_cubin(render(descriptor), descriptor.name, tc.options(descriptor.arch))
-    usage = result.resources(descriptor.symbol)
-    return result.cubin, {
-        "threads": family.threads(descriptor),
-        "smem_bytes": family.smem_bytes(descriptor),
-        "registers": usage.registers,
-        "spill_bytes": usage.spill_bytes,
-        "compile_seconds": round(result.seconds, 2),
-        "nvrtc_version": tc.versions["nvrtc"],
-        "cutlass_version": tc.versions["nvidia-cutlass"],
-    }
+def compile_variant(unit: CompileUnit) -> CompileResult:
+    return compile_cubin(unit.source, unit.name, toolchain().options(unit.arch))

@@ -8,14 +8,16 @@ from dataclasses import dataclass
 import torch
 
 from . import dq_routes, inputs
-from .bias import KernelBias, bias_gradient, ds_row_elements, prepare_bias
+from .bias import KernelBias, bias_gradient, ds_row_elements, key_constant_gradient, prepare_bias
 from .errors import UnsupportedError, VariantNotFoundError
+from .head_dims import kernel_dims, padded
 from .launch import KernelLaunch, Target, ceil_div, request, run
 from .manifest import KernelEntry
 from .params import DQ_ACCUM_ROW_ALIGN, BwdParams
 from .registry import KernelRegistry, default_registry
 from .sinks import prepare_sink, sink_gradient
-from .varlen import TOKENS, BatchShape, PackedBatch, as_batched, as_tokens, batched_view, check_packed, token_mask
+from .varlen import (TOKENS, BatchShape, PackedBatch, as_batched, as_tokens, batched_view, check_packed,
+                     sequence_rows, token_mask)
 
 log = logging.getLogger("flashkiln")
 
@@ -27,9 +29,19 @@ class BackwardPlan:
     # fp32 per-query-head dK/dV that the host sums over each GQA group (None without GQA).
     dk_accum: torch.Tensor | None
     dv_accum: torch.Tensor | None
-    # Scratch the kernels use (delta, dQ accumulator, semaphores, dS workspace): alive as long as
-    # the plan; the stream orders the memory's reuse after the kernels.
-    workspaces: tuple[torch.Tensor | None, ...]
+    scratch: "BackwardScratch"
+
+
+@dataclass(frozen=True)
+class BackwardScratch:
+    """What the kernels use besides the gradients: alive as long as the plan; the stream orders the
+    memory's reuse after the kernels. None where the route does not use it."""
+
+    delta: torch.Tensor  # fp32, as lse: rowsum(dO * O) - dLSE
+    dq_accum: torch.Tensor | None  # fp32 dQ accumulator (atomic and ordered routes)
+    semaphore: torch.Tensor | None  # int32 per query tile (ordered route)
+    ds_workspace: torch.Tensor | None  # dense dS (workspace route)
+    sink_parts: torch.Tensor | None  # fp32 (B, H_q, key tiles): sums of p_sink * P * dP
 
 
 def _check_backward_tensors(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -50,12 +62,15 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: str, scale: float,
                   deterministic: bool, capability: tuple[int, int], device_memory: int,
                   registry: KernelRegistry, bias: KernelBias | None = None, bias_grad: bool = False,
-                  packed: PackedBatch | None = None) -> BackwardPlan:
+                  packed: PackedBatch | None = None, dlse: torch.Tensor | None = None,
+                  sink: torch.Tensor | None = None, sink_parts: bool = False) -> BackwardPlan:
     """Choose the route and kernels, allocate their workspaces and pack the parameters (inputs already
     checked; for a packed batch, their (1, H, total, d) views). `device_memory` (bytes) sets the
     default workspace budget. With a bias the main kernel is a deterministic one (the variants the
     specs generate for it); with `bias_grad` the route is the workspace one, whose dS tiles become
-    dBias."""
+    dBias (a key-constant bias needs no dS: bias.key_constant_gradient). `dlse`: the LSE's upstream
+    gradient, or None; `sink` (the forward's fp32 sinks) with `sink_parts`: the main kernel sums
+    p_sink * P * dP per key tile (for dSink)."""
     _, hq, _, dqk = q.shape
     _, hkv, _, dv_dim = v.shape
     shape = BatchShape.of(q, k, packed)
@@ -63,7 +78,8 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dtype = inputs.DTYPES[q.dtype]
     has_bias = bias is not None
     deterministic = deterministic or has_bias
-    workspace_kernels = _workspace_kernels(q, shape, dv_dim, causal, deterministic, has_bias, bias_grad,
+    ds_needed = bias_grad and not bias.key_constant
+    workspace_kernels = _workspace_kernels(q, shape, dv_dim, causal, deterministic, has_bias, ds_needed,
                                            capability, device_memory, registry)
     if workspace_kernels is not None:
         route, (main, dq_kernel) = "workspace", workspace_kernels
@@ -89,19 +105,23 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             dq_accum = semaphore = None
             # dBias reads every tile, also those no key tile visits (causal) and those past a
             # packed sequence's ends: they must be zeros.
-            allocate = torch.zeros if bias_grad and (causal != "none" or packed is not None) else torch.empty
+            allocate = torch.zeros if ds_needed and (causal != "none" or packed is not None) else torch.empty
             workspace = allocate(_workspace_elements(shape, hq), dtype=q.dtype, device=q.device)
         else:
             dq_accum = torch.empty((layout_batches, hq, dq_accum_rows, dqk), **f32)  # zeroed by the preprocess
             semaphore = torch.zeros((b, hq, sq_rounded // tile_m), dtype=torch.int32, device=q.device) \
                 if route == "ordered" else None
             workspace = None
+    key_tiles = ceil_div(sk, tile_n)
+    # Zeros: the CTAs past a shorter packed sequence's key tiles write nothing.
+    parts = torch.zeros((b, hq, key_tiles), **f32) if sink_parts else None
     address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     params = BwdParams(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), dout=dout.data_ptr(),
         lse=lse.data_ptr(), delta=delta.data_ptr(), dq_accum=address(dq_accum), dq=dq.data_ptr(),
         dk=dk.data_ptr(), dv=dv.data_ptr(), dk_accum=address(dk_accum), dv_accum=address(dv_accum),
-        dq_semaphore=address(semaphore), ds_workspace=address(workspace),
+        dq_semaphore=address(semaphore), ds_workspace=address(workspace), dlse=address(dlse),
+        sink=address(sink if sink_parts else None), dsink_parts=address(parts),
         bias=0 if bias is None else bias.tensor.data_ptr(), **(bias.stride_fields() if bias is not None else {}),
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
         **inputs.stride_fields("o", out), **inputs.stride_fields("do", dout), **inputs.stride_fields("dq", dq),
@@ -111,14 +131,15 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     )
     launches = [
         KernelLaunch(pre, (ceil_div(sq_rounded, pre.descriptor["tile_m"]), hq, b), params),
-        KernelLaunch(main, (ceil_div(sk, tile_n), hq, b), params),
+        KernelLaunch(main, (key_tiles, hq, b), params),
     ]
     if dq_kernel is not None:
         launches.append(KernelLaunch(dq_kernel, (ceil_div(sq, tile_m), hq, b), params))
     else:
         post = registry.find(request("bwd_post", dtype, dqk, dv_dim), capability)
         launches.append(KernelLaunch(post, (ceil_div(sq, post.descriptor["tile_m"]), hq, b), params))
-    return BackwardPlan(launches, route, dk_accum, dv_accum, (delta, dq_accum, semaphore, workspace))
+    return BackwardPlan(launches, route, dk_accum, dv_accum, BackwardScratch(delta, dq_accum, semaphore, workspace,
+                                                                             parts))
 
 
 def _workspace_elements(shape: BatchShape, hq: int) -> int:
@@ -168,66 +189,79 @@ def _workspace_kernels(q: torch.Tensor, shape: BatchShape, d_v: int, causal: str
     return main, dq_kernel
 
 
-def _check_gradient_buffer(name: str, buffer: torch.Tensor, like: torch.Tensor) -> None:
+def _check_gradient_buffer(name: str, buffer: torch.Tensor, like: torch.Tensor,
+                           readers: dict[str, torch.Tensor | None], written_in_place: bool) -> None:
+    """`written_in_place`: the kernels write `buffer` itself (not a padded copy), so it needs their layout."""
     if not isinstance(buffer, torch.Tensor) or buffer.shape != like.shape or buffer.dtype != like.dtype \
             or buffer.device != like.device:
         inputs.fail(f"{name} must be a {like.dtype} tensor of shape {tuple(like.shape)} on {like.device}")
-    if buffer.numel() and not inputs.is_kernel_layout(buffer):
+    if written_in_place and buffer.numel() and not inputs.is_kernel_layout(buffer):
         inputs.fail(f"{name} must have a contiguous head dim and 16-byte aligned strides and base, "
                     f"got strides {buffer.stride()}")
+    inputs.check_output_buffer(name, buffer, readers)
+
+
+def _check_lse_gradient(dlse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    if not isinstance(dlse, torch.Tensor) or dlse.shape != lse.shape or dlse.dtype != torch.float32 \
+            or dlse.device != lse.device:
+        inputs.fail(f"dlse must be a float32 tensor of lse's shape {tuple(lse.shape)} on {lse.device}, got "
+                    + (f"{dlse.dtype} {tuple(dlse.shape)} on {dlse.device}" if isinstance(dlse, torch.Tensor)
+                       else type(dlse).__name__))
+    return dlse.contiguous()
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, *, causal: str | None = None, scale: float | None = None,
-                       bias: torch.Tensor | None = None, bias_grad: bool = False, sink: torch.Tensor | None = None,
-                       sink_grad: bool = False, deterministic: bool | None = None, packed: PackedBatch | None = None,
-                       dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+                       lse: torch.Tensor, *, dlse: torch.Tensor | None = None, causal: str | None = None,
+                       scale: float | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
+                       sink: torch.Tensor | None = None, sink_grad: bool = False, deterministic: bool | None = None,
+                       packed: PackedBatch | None = None, dq: torch.Tensor | None = None,
+                       dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
                        registry: KernelRegistry | None = None) -> tuple[torch.Tensor, ...]:
-    """Gradients (dq, dk, dv) of attention_forward's `out` for the upstream gradient `dout`, then
-    dbias when `bias_grad` (in the bias's own shape, summed over its broadcast dims), then dsink
-    when `sink_grad`.
+    """Gradients (dq, dk, dv) of attention_forward's `out` (and `lse`, for `dlse`) for the upstream
+    gradient `dout`, then dbias when `bias_grad` (in the bias's own shape, summed over its broadcast
+    dims), then dsink when `sink_grad`.
 
     q, k, v, causal, scale, bias and sink as given to the forward; out and lse are what it
-    returned (with sinks, lse includes them, and the kernels need nothing else).
+    returned (with sinks, lse includes them, and the kernels need nothing else). dlse: the LSE's
+    upstream gradient (fp32, lse's shape), or None for none (ring attention merges partial results
+    through their LSEs, and so needs it).
     With a bias, the backward runs a deterministic route, and dbias is deterministic too.
     deterministic: bitwise-reproducible dq (dk, dv are always); default
     torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes):
     where it is faster, dS is kept in a workspace of B * H_q * S_q * S_k elements (rounded up to
     whole tiles) and dq computed from it by a second kernel, if that fits
-    $FLASHKILN_BACKWARD_WORKSPACE_MIB (default: 1/16 of the GPU's memory). Gradients come back with their inputs' strides
-    (contiguous where those strides are not 16-byte aligned), or in the buffers dq, dk, dv when
-    given. A query row that saw no key gets a zero dq row.
+    $FLASHKILN_BACKWARD_WORKSPACE_MIB (default: 1/16 of the GPU's memory). Gradients come back with
+    their inputs' strides (contiguous where those strides are not 16-byte aligned), or in the
+    buffers dq, dk, dv when given (which must not overlap themselves or an input). A query row that
+    saw no key gets a zero dq row.
 
     packed: a packed variable-length batch, as given to the forward (flashkiln.varlen); every
     token tensor is then (total, H, d) and lse (H_q, total_q). Tokens that lie in no sequence get
-    zero gradients; in buffers passed as dq, dk, dv the kernels leave their rows as they were
-    (except dk and dv under GQA, which are summed on the host: zeros there).
+    zero gradients, in given buffers too.
     """
     if packed is not None:
         check_packed(q, k, v, packed)
         q, k, v = (as_batched(t) for t in (q, k, v))
         out, dout = batched_view("out", out, TOKENS), batched_view("dout", dout, TOKENS)
         lse = batched_view("lse", lse, "(H_q, total_q)")
+        dlse = None if dlse is None else batched_view("dlse", dlse, "(H_q, total_q)")
         dq, dk, dv = (None if t is None else batched_view(name, t, TOKENS)
                       for name, t in (("dq", dq), ("dk", dk), ("dv", dv)))
     inputs.check_qkv(q, k, v)
     shape = BatchShape.of(q, k, packed)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
     _check_backward_tensors(dout, q, out, lse, v.shape[3])
+    if dlse is not None:
+        dlse = _check_lse_gradient(dlse, lse)
     if q.device.type != "cuda":
         inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    grads = []
-    for name, buffer, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if buffer is None:
-            with inputs.kernel_written_allocations():
-                buffer = inputs.empty_gradient_like(like)
-            if packed is not None:
-                buffer.zero_()  # the kernels write the tokens inside sequences only
-        _check_gradient_buffer(name, buffer, like)
-        grads.append(buffer)
-    dq, dk, dv = grads
+    dq_routes.forced_route(deterministic or bias is not None)  # a bad $FLASHKILN_BACKWARD_ROUTE fails on every call
+    registry = registry or default_registry()
+    target = Target.of(q)
+    d_qk, d_v = q.shape[3], v.shape[3]
+    dims = kernel_dims(d_qk, d_v, registry.head_dims("bwd", inputs.DTYPES[q.dtype], target.capability), "backward")
     if bias_grad and bias is None:
         inputs.fail("bias_grad=True needs the bias")
     kernel_bias = None if bias is None else prepare_bias(bias, shape.scores(q.shape[1]), q)
@@ -235,33 +269,74 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         inputs.fail("a boolean mask has no gradient: pass bias_grad=False")
     if sink_grad and sink is None:
         inputs.fail("sink_grad=True needs the sink")
-    if sink is not None:
-        prepare_sink(sink, q)  # checks only: the kernels read the forward's sink-inclusive lse
+    kernel_sink = None if sink is None else prepare_sink(sink, q)
+    readers = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse, "bias": bias,
+               "sink": sink}
+    grads = []
+    for name, buffer, like, cu in (("dq", dq, q, "cu_seqlens_q"), ("dk", dk, k, "cu_seqlens_k"),
+                                   ("dv", dv, v, "cu_seqlens_k")):
+        if buffer is None:
+            with inputs.kernel_written_allocations():
+                buffer = inputs.empty_gradient_like(like)
+            if packed is not None:
+                buffer.zero_()  # the kernels write the tokens inside sequences only
+        else:
+            _check_gradient_buffer(name, buffer, like, {**readers, **dict(zip(("dq", "dk"), grads))},
+                                   written_in_place=dims == (d_qk, d_v))
+            if packed is not None:
+                buffer.masked_fill_(~_token_rows(getattr(packed, cu), buffer), 0.0)  # tokens in no sequence
+        grads.append(buffer)
+    dq, dk, dv = grads
     hq = q.shape[1]
     if hq == 0 or shape.is_empty():
         # No query or no key: every gradient is zero (and possibly empty).
         extra = (torch.zeros(kernel_bias.shape, dtype=q.dtype, device=q.device),) if bias_grad else ()
         extra += (torch.zeros_like(sink),) if sink_grad else ()
         return (*_unbatched((dq.zero_(), dk.zero_(), dv.zero_()), packed), *extra)
+    kernel_grads = (dq, dk, dv)
+    if dims != (d_qk, d_v):  # flashkiln.head_dims: zero-padded copies, gradients copied back
+        q, k, v = padded(q, dims[0]), padded(k, dims[0]), padded(v, dims[1])
+        out, dout = padded(out, dims[1]), padded(dout, dims[1])
+        allocate = torch.zeros if packed is not None else torch.empty
+        kernel_grads = tuple(allocate(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     q, k, v, out, dout = (inputs.kernel_layout(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
-    registry = registry or default_registry()
-    target = Target.of(q)
-    plan = plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal_mode, scale, deterministic,
-                         target.capability, target.memory, registry, kernel_bias, bias_grad, packed)
+    closed_form_dbias = bias_grad and kernel_bias.key_constant
+    sink_parts = kernel_sink is not None and (sink_grad or (closed_form_dbias and kernel_bias.rows_summed))
+    plan = plan_backward(dout, q, k, v, out, lse, *kernel_grads, causal_mode, scale, deterministic,
+                         target.capability, target.memory, registry, kernel_bias, bias_grad, packed, dlse,
+                         kernel_sink, sink_parts)
     log.debug("flashkiln backward: %s, dq route %s", plan.launches[1].entry.name, plan.route)
     run(registry, target, plan.launches)
-    extra = (bias_gradient(plan.workspaces[3], kernel_bias),) if bias_grad else ()
+    scratch = plan.scratch
+    parts = scratch.sink_parts
+    extra = ()
+    if closed_form_dbias:
+        per_row = (lse, scratch.delta, dlse)
+        valid = None
+        if packed is not None:
+            per_row, valid = sequence_rows(per_row, packed)
+        extra = (key_constant_gradient(kernel_bias, *per_row, kernel_sink, parts, valid),)
+    elif bias_grad:
+        extra = (bias_gradient(scratch.ds_workspace, kernel_bias),)
     if plan.dk_accum is not None:
         # GQA: sum each group's per-query-head gradients (a fixed-order, deterministic reduction).
         layout_batches, hkv = k.shape[:2]
         group = hq // hkv
-        dk.copy_(plan.dk_accum.view(layout_batches, hkv, group, *plan.dk_accum.shape[2:]).sum(2))
-        dv.copy_(plan.dv_accum.view(layout_batches, hkv, group, *plan.dv_accum.shape[2:]).sum(2))
+        kernel_grads[1].copy_(plan.dk_accum.view(layout_batches, hkv, group, *plan.dk_accum.shape[2:]).sum(2))
+        kernel_grads[2].copy_(plan.dv_accum.view(layout_batches, hkv, group, *plan.dv_accum.shape[2:]).sum(2))
+    if kernel_grads[0] is not dq:
+        for grad, kernel_grad in zip((dq, dk, dv), kernel_grads):
+            grad.copy_(kernel_grad[..., :grad.shape[-1]])
     if sink_grad:
-        rows = None if packed is None else token_mask(packed, shape.total_q)
-        extra += (sink_gradient(sink, lse, plan.workspaces[0], rows),)
+        rows = None if packed is None else token_mask(packed.cu_seqlens_q, shape.total_q)
+        extra += (sink_gradient(sink, parts, lse, dlse, rows),)
     return (*_unbatched((dq, dk, dv), packed), *extra)
+
+
+def _token_rows(cu_seqlens: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Bool, broadcastable to a (1, H, total, d) gradient: its tokens that lie in a sequence."""
+    return token_mask(cu_seqlens, grad.shape[2])[None, None, :, None]
 
 
 def _unbatched(grads: tuple[torch.Tensor, ...], packed: PackedBatch | None) -> tuple[torch.Tensor, ...]:

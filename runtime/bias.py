@@ -7,6 +7,13 @@ in 16-byte pieces, so rows must be 16-byte aligned and readable up to the next 1
 that is not is copied into padded rows first. dBias is the score gradient dS, which the workspace
 route already keeps in a dense (B, H_q, S_q, S_k) layout: a full bias's gradient is a view of it,
 a broadcast one its sum over the broadcast dims (a fixed-order torch reduction, so deterministic).
+
+A bias constant along the keys (its key dim is 1: broadcast, or S_k = 1) needs no dS at all: a
+row's dS sums to `mass_i * dLSE_i + p_i * delta_i` in exact arithmetic, where mass_i = sum_j P_ij,
+p_i the sink's probability and delta_i = sum_j P_ij dP_ij (0 without a sink: shifting a row's
+scores moves only its LSE). Summing rounded dS tiles instead turns the rounding of delta (from the
+forward's bf16 O) into an error that grows with the rows summed; the closed form uses the kernel's
+exact fp32 sums of p_i * P_ij * dP_ij (BwdParams::dsink_parts) where the rows are summed.
 """
 from __future__ import annotations
 
@@ -28,6 +35,16 @@ class KernelBias:
 
     def stride_fields(self) -> dict[str, int]:
         return inputs.stride_fields("bias", self.tensor)
+
+    @property
+    def key_constant(self) -> bool:
+        """The caller's bias has a key dim of 1: dBias has a closed form (key_constant_gradient)."""
+        return _key_constant(self.shape)
+
+    @property
+    def rows_summed(self) -> bool:
+        """dBias sums over the query rows (the caller's bias has a row dim of 1)."""
+        return _as_4d(self.shape)[2] == 1
 
 
 def _padded_row(elements: int, element_size: int = 2) -> int:
@@ -93,15 +110,48 @@ def bias_gradient(workspace: torch.Tensor, bias: KernelBias) -> torch.Tensor:
     return ds.reshape(bias.shape)
 
 
+def key_constant_gradient(bias: KernelBias, lse: torch.Tensor, delta: torch.Tensor, dlse: torch.Tensor | None,
+                          sink: torch.Tensor | None, sink_parts: torch.Tensor | None,
+                          valid: torch.Tensor | None) -> torch.Tensor:
+    """dBias of a key-constant bias (see the module docstring) from per-row (B, H_q, S_q) fp32 lse,
+    the kernels' delta (dLSE already subtracted) and dlse, rows outside `valid` (packed batches)
+    counting nothing. `sink_parts` (B, H_q, tiles): the kernel's sums of p * P * dP, given with a sink."""
+    neg_inf = torch.isneginf(lse)
+    p = torch.zeros_like(lse) if sink is None else torch.exp(sink.to(lse.dtype)[None, :, None] - lse)
+    rows = torch.zeros_like(lse)
+    if dlse is not None:
+        rows = torch.where(neg_inf, 0.0, 1.0 - p) * dlse
+        delta = delta + dlse  # sum_j P_ij dP_ij, as the rounded O gives it
+    exact_rows = sink is not None and bias.rows_summed
+    if sink is not None and not exact_rows:
+        rows = rows + p * delta
+    if valid is not None:
+        rows = torch.where(valid, rows, 0.0)
+    if exact_rows:
+        rows = rows.sum(dim=2, keepdim=True) + sink_parts.sum(dim=2, keepdim=True)
+    dims = tuple(d for d in bias.broadcast_dims if d < 2 or (d == 2 and not exact_rows))
+    if dims:
+        rows = rows.sum(dim=dims, keepdim=True)
+    return rows.to(bias.tensor.dtype).reshape(bias.shape)
+
+
 def empty_bias_gradient(bias: torch.Tensor, scores: tuple[int, int, int, int], q: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor with the shape and strides bias_gradient gives (for the custom op's fake)."""
-    if _broadcast_dims(tuple(bias.shape), scores):
+    if _key_constant(tuple(bias.shape)) or _broadcast_dims(tuple(bias.shape), scores):
         return q.new_empty(bias.shape)
     rows = q.new_empty((*scores[:3], ds_row_elements(scores[3])))
     return rows[..., :scores[3]].reshape(bias.shape)
 
 
+def _as_4d(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+def _key_constant(shape: tuple[int, ...]) -> bool:
+    return _as_4d(shape)[3] == 1
+
+
 def _broadcast_dims(shape: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, ...]:
     """Dims of (B, H_q, S_q, S_k) along which a bias of `shape` broadcasts."""
-    shape4 = (1,) * (4 - len(shape)) + shape
+    shape4 = _as_4d(shape)
     return tuple(i for i in range(4) if shape4[i] == 1 and full[i] != 1)

@@ -8,12 +8,13 @@ import torch
 from . import inputs
 from .backends import check_backend
 from .bias import KernelBias, prepare_bias
+from .head_dims import kernel_dims, padded
 from .hopper_forward import plan_if_hopper
 from .launch import KernelLaunch, Target, ceil_div, request, run
 from .params import FwdParams
 from .registry import KernelRegistry, default_registry
 from .sinks import prepare_sink
-from .varlen import TOKENS, BatchShape, PackedBatch, as_batched, as_tokens, batched_view, check_packed
+from .varlen import TOKENS, BatchShape, PackedBatch, as_batched, as_tokens, batched_view, check_packed, token_mask
 
 
 def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -77,18 +78,43 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     kernel_sink = None if sink is None else prepare_sink(sink, q)
     if q.device.type != "cuda":
         inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
-    d_v = v.shape[3]
+    registry = registry or default_registry()
+    target = Target.of(q)
+    d_qk, d_v = q.shape[3], v.shape[3]
+    dims = kernel_dims(d_qk, d_v, registry.head_dims("fwd", inputs.DTYPES[q.dtype], target.capability), "forward")
+    given = {"out": out, "lse": lse}
     out = inputs.empty_in_memory_order(q, d_v) if out is None else out
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
-    inputs.check_forward_outputs(q, out, lse, d_v)
+    inputs.check_forward_outputs(q, out, lse, d_v, written_in_place=dims == (d_qk, d_v))
+    readers = {"q": q, "k": k, "v": v, "bias": bias, "sink": sink}
+    for name, buffer in given.items():
+        if buffer is not None:
+            inputs.check_output_buffer(name, buffer, {**readers, **{n: b for n, b in given.items() if n != name}})
+    if packed is not None:
+        # Tokens in no sequence: O = 0 and LSE = -inf, as a row that sees no key (the kernels
+        # write the tokens inside sequences only). A fresh buffer is filled whole (a memset), a
+        # given one where no sequence is.
+        if given["out"] is None:
+            out.zero_()
+        else:
+            out.masked_fill_(~token_mask(packed.cu_seqlens_q, q.shape[2])[None, None, :, None], 0.0)
+        if given["lse"] is None:
+            lse.fill_(float("-inf"))
+        else:
+            lse.masked_fill_(~token_mask(packed.cu_seqlens_q, q.shape[2])[None, None, :], float("-inf"))
     if out.numel() and shape.batch and shape.seqlen_q:  # (no key is for the kernel: O = 0, LSE = -inf)
+        kernel_out = out
+        if dims != (d_qk, d_v):  # flashkiln.head_dims: zero-padded copies, O copied back
+            q, k, v = padded(q, dims[0]), padded(k, dims[0]), padded(v, dims[1])
+            kernel_out = (torch.zeros if packed is not None else torch.empty)((*q.shape[:3], dims[1]), dtype=q.dtype,
+                                                                              device=q.device)
         q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
-        registry = registry or default_registry()
-        target = Target.of(q)
-        launch = plan_if_hopper(backend, q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed,
-                                target, registry)
-        run(registry, target, [launch or plan_forward(q, k, v, out, lse, causal_mode, scale, kernel_bias,
+        launch = plan_if_hopper(backend, q, k, v, kernel_out, lse, causal_mode, scale, kernel_bias, kernel_sink,
+                                packed, target, registry)
+        run(registry, target, [launch or plan_forward(q, k, v, kernel_out, lse, causal_mode, scale, kernel_bias,
                                                       target.capability, registry, kernel_sink, packed)])
+        if kernel_out is not out:
+            out.copy_(kernel_out[..., :d_v])
     if packed is not None:
         out, lse = as_tokens(out), as_tokens(lse)
     return out, lse

@@ -10,8 +10,8 @@ from typing import Iterator
 
 import torch
 
-from .descriptor import HEAD_DIMS
 from .errors import InvalidInputError
+from .head_dims import MAX_HEAD_DIM
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 CAUSAL_MODES = {None: "none", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -34,6 +34,39 @@ def is_kernel_layout(t: torch.Tensor) -> bool:
     return has_kernel_strides(t) and t.data_ptr() % _ALIGN_BYTES == 0
 
 
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Two of t's elements share memory (a zero stride, or strides that interleave)."""
+    extent = 1  # elements spanned by the dims taken so far, from the smallest stride up
+    for size, stride in sorted(((n, abs(s)) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda x: x[1]):
+        if stride < extent:
+            return True
+        extent += (size - 1) * stride
+    return False
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    first = t.data_ptr()
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 1) * t.element_size()
+    return first, last + t.element_size()
+
+
+def check_output_buffer(name: str, buffer: torch.Tensor, readers: dict[str, torch.Tensor | None]) -> None:
+    """An output the kernels write must not overlap itself nor any tensor the call reads: they run
+    concurrently, so either would make the result depend on the order of their memory accesses."""
+    if buffer.numel() == 0:
+        return
+    if has_internal_overlap(buffer):
+        fail(f"{name} has overlapping elements (strides {buffer.stride()}): pass a buffer whose elements are "
+             "distinct")
+    start, end = _byte_span(buffer)
+    for other_name, other in readers.items():
+        if other is None or other.numel() == 0 or other.device != buffer.device:
+            continue
+        other_start, other_end = _byte_span(other)
+        if start < other_end and other_start < end:
+            fail(f"{name} shares memory with {other_name}: pass a separate buffer")
+
+
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """`t` itself when the kernels can read it in place, else a fresh contiguous copy."""
     if t.numel() == 0 or is_kernel_layout(t):
@@ -43,8 +76,7 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
         if t.dim() != 4:
             fail(f"{name} must be 4-D (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
@@ -63,8 +95,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if dk != dqk:
         fail(f"q and k head dims differ: {dqk} vs {dk}")
     for name, d in (("q/k", dqk), ("v", dv)):
-        if d not in HEAD_DIMS:
-            fail(f"{name} head dim {d} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+        if not 1 <= d <= MAX_HEAD_DIM:
+            fail(f"{name} head dim {d} is not supported: flashkiln computes head dims from 1 to {MAX_HEAD_DIM} "
+                 "(one that was not generated runs on the next larger generated kernel)")
     if hq > _MAX_GRID_YZ or b > _MAX_GRID_YZ:
         fail(f"at most {_MAX_GRID_YZ} heads and {_MAX_GRID_YZ} batch entries per call, got {hq} and {b}")
     if max(q.shape[2], sk) >= 2**31:
@@ -81,12 +114,21 @@ def check_causal_scale(causal: str | None, scale: float | None, d_qk: int) -> tu
     return CAUSAL_MODES[causal], float(scale)
 
 
-def check_forward_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, d_v: int) -> None:
+def check_tensor(name: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_forward_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, d_v: int,
+                          written_in_place: bool = True) -> None:
+    """`written_in_place`: the kernel writes `out` itself (not a padded copy), so it needs their layout."""
     b, hq, sq, _ = q.shape
+    check_tensor("out", out)
+    check_tensor("lse", lse)
     if tuple(out.shape) != (b, hq, sq, d_v) or out.dtype != q.dtype or out.device != q.device:
         fail(f"out must be a {q.dtype} tensor of shape {(b, hq, sq, d_v)} on {q.device}, "
              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    if out.numel() and not is_kernel_layout(out):
+    if written_in_place and out.numel() and not is_kernel_layout(out):
         fail(f"out must have a contiguous head dim and 16-byte aligned strides and base, got strides {out.stride()}")
     if tuple(lse.shape) != (b, hq, sq) or lse.dtype != torch.float32 or lse.device != q.device:
         fail(f"lse must be a float32 tensor of shape {(b, hq, sq)} on {q.device}, "

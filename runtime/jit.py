@@ -2,7 +2,8 @@
 
 Enabled by FLASHKILN_JIT=1 (and the generator's extras: pip install 'flashkiln[generator]').
 Entries live in $FLASHKILN_CACHE_DIR, else $XDG_CACHE_HOME/flashkiln (default ~/.cache/flashkiln),
-under <flashkiln version>/<arch>/<descriptor hash>.{cubin,json}. The cache is safe to share
+under <flashkiln version>/<arch>/<descriptor hash>-<compile key>.{cubin,json}, where the compile
+key is the build cache's (rendered source, toolchain and flashkiln's headers, arch). The cache is safe to share
 between processes: one file lock per entry (a second process waits for the first compile),
 writes go to a temporary file then an atomic rename, the JSON (written last) carries the cubin's
 sha256 and is checked on every read, directories are created 0700, and a cache directory that is
@@ -25,7 +26,6 @@ from . import __version__
 from .errors import FlashkilnError
 from .files import atomic_write
 from .manifest import KernelEntry
-from .params import params_layout
 
 JIT_ENV = "FLASHKILN_JIT"
 CACHE_ENV = "FLASHKILN_CACHE_DIR"
@@ -96,14 +96,16 @@ class JitCache:
 
     @staticmethod
     def read(directory: Path, key: str) -> KernelEntry | None:
-        """The entry for descriptor hash `key`, if complete and intact (else None: recompile)."""
+        """The entry stored under `key` (`<descriptor hash>-<compile key>`), if complete and intact
+        (else None: recompile)."""
         cubin_path, meta_path = JitCache._paths(directory, key)
         try:
             entry = KernelEntry(**json.loads(meta_path.read_text()))
             image = cubin_path.read_bytes()
         except (FileNotFoundError, json.JSONDecodeError, TypeError):
             return None
-        if entry.hash != key or entry.variant.hash != key or hashlib.sha256(image).hexdigest() != entry.sha256:
+        if not key.startswith(f"{entry.hash}-") or entry.variant.hash != entry.hash \
+                or hashlib.sha256(image).hexdigest() != entry.sha256:
             return None
         return dataclasses.replace(entry, cubin=str(cubin_path))  # wherever the cache directory lives now
 
@@ -127,27 +129,22 @@ class JitCache:
         try:
             from filelock import FileLock
 
-            from .generator import GENERATOR_VERSION
-            from .generator.jit import compile_variant, tuned_descriptor
+            from .generator import jit as generator_jit
         except ImportError as exc:
             raise JitUnavailableError(f"{JIT_ENV} is set but the generator's dependencies are missing ({exc}): "
                                       "pip install 'flashkiln[generator]'") from None
-        descriptor = tuned_descriptor(request, arch)
+        unit = generator_jit.plan_unit(request, arch)
         directory = self._directory(arch)
-        key = descriptor.hash
+        key = f"{unit.variants[0].descriptor.hash}-{unit.key[:32]}"
         cubin_path, meta_path = self._paths(directory, key)
         with FileLock(str(directory / f"{key}.lock")):
             entry = self.read(directory, key)
             if entry is not None:
                 return entry
-            cubin, fields = compile_variant(descriptor)
-            entry = KernelEntry(
-                hash=key, name=descriptor.name, symbol=descriptor.symbol, arch=arch, descriptor=descriptor.as_dict(),
-                cubin=str(cubin_path), sha256=hashlib.sha256(cubin).hexdigest(), cubin_bytes=len(cubin),
-                params_layout=params_layout(descriptor.kernel, descriptor.family).digest, spec="jit", relative_speed=1.0,
-                generator_version=GENERATOR_VERSION, **fields,
-            )
+            result = generator_jit.compile_variant(unit)
+            entry = dataclasses.replace(generator_jit.kernel_entry(unit.variants[0], result, str(cubin_path)),
+                                        spec=f"jit ({unit.variants[0].spec_file})")
             # The JSON goes last: an entry exists once its JSON names the cubin's hash.
-            atomic_write(cubin_path, cubin)
+            atomic_write(cubin_path, result.cubin)
             atomic_write(meta_path, json.dumps(dataclasses.asdict(entry)).encode())
             return entry

@@ -66,13 +66,15 @@ def _(q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q=None, cu_s
 
 @torch.library.custom_op("flashkiln::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor], bias_grad: bool,
+                          out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                          bias: Optional[torch.Tensor], bias_grad: bool,
                           sink: Optional[torch.Tensor], sink_grad: bool, causal: str, scale: float,
                           deterministic: Optional[bool], cu_seqlens_q: Optional[torch.Tensor] = None,
                           cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias, dsink); dbias and dsink are empty tensors unless asked for."""
-    dq, dk, dv, *extra = attention_backward(dout, q, k, v, out, lse, causal=_causal_arg(causal), scale=scale,
+    dq, dk, dv, *extra = attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=_causal_arg(causal),
+                                            scale=scale,
                                             bias=bias, bias_grad=bias_grad, sink=sink, sink_grad=sink_grad,
                                             deterministic=deterministic,
                                             packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -82,7 +84,7 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, bias, bias_grad, sink, sink_grad, causal, scale, deterministic, cu_seqlens_q=None,
+def _(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, causal, scale, deterministic, cu_seqlens_q=None,
       cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if packed is not None:
@@ -104,8 +106,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dout, dlse):
     q, k, v, bias, sink, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     bias_grad, sink_grad = bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])
-    # The LSE output is a statistic for the backward, not differentiable here.
-    dq, dk, dv, dbias, dsink = attention_backward_op(dout, q, k, v, out, lse, bias, bias_grad, sink, sink_grad,
+    dq, dk, dv, dbias, dsink = attention_backward_op(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad,
                                                      ctx.causal, ctx.scale, ctx.deterministic, cu_seqlens_q,
                                                      cu_seqlens_k, *ctx.max_seqlen)
     return (dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None) + (None,) * 7
@@ -130,6 +131,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     an attn_mask the backward is always deterministic. sink (flashkiln's own, keyword only): (H,)
     learned sink logits that join each row's softmax denominator (gpt-oss), differentiable.
     """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        checks.check_tensor(name, t)
     if dropout_p != 0.0:
         raise UnsupportedError(f"flashkiln.scaled_dot_product_attention: dropout_p={dropout_p} is not supported "
                                "(only 0.0); apply dropout outside attention or use torch's SDPA")
@@ -164,9 +167,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     fine), max_seqlen_q/k their longest lengths. causal: None, "top_left" or "bottom_right", per
     sequence. bias: additive, broadcastable to (batch, H_q, max_seqlen_q, max_seqlen_k), or a bool
     mask; sequence b reads bias[b, :, :len_q, :len_k]. sink: (H_q,) sink logits. Returns
-    (total_q, H_q, d_v); rows of tokens past the last sequence are unspecified (not written).
+    (total_q, H_q, d_v); rows of tokens in no sequence are zeros (their gradients too).
     The offsets are not read on the host unless `validate` (then a sync: PackedBatch.validate).
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tensor(name, t)
     if validate:
         PackedBatch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).validate(q.shape[0], k.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

@@ -67,7 +67,7 @@ class BwdParams(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_uint64) for name in (
             "q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dq", "dk", "dv", "dk_accum", "dv_accum",
-            "dq_semaphore", "ds_workspace", "bias", "cu_seqlens_q", "cu_seqlens_k")),
+            "dq_semaphore", "ds_workspace", "bias", "cu_seqlens_q", "cu_seqlens_k", "dlse", "sink", "dsink_parts")),
         *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv", "bias"),
         ("dq_accum_rows", ctypes.c_int64),
         ("batch", ctypes.c_int32),

@@ -79,6 +79,7 @@ class KernelRegistry:
         self._libraries: dict[str, Any] = {}  # cubin file -> library handle
         self._kernels: dict[str, LoadedKernel] = {}  # variant hash -> kernel handle
         self._configured: set[tuple[str, int]] = set()  # (variant hash, device) with attributes set
+        self._head_dims: dict[tuple, frozenset[tuple[int, int]]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -140,6 +141,16 @@ class KernelRegistry:
             return self._jit_entry(request, runnable)
         wanted = {**request, "arch": next(a for a in runnable if a in built_archs)}
         raise VariantNotFoundError(self._not_found_message(wanted))
+
+    def head_dims(self, kernel: str, dtype: str, capability: tuple[int, int]) -> frozenset[tuple[int, int]]:
+        """The (d_qk, d_v) pairs the manifest has `kernel` for in `dtype`, on archs that run on `capability`."""
+        key = (kernel, dtype, capability)
+        if key not in self._head_dims:
+            archs = {a.name for a in arch_preference(capability)}
+            self._head_dims[key] = frozenset(
+                (e.descriptor["d_qk"], e.descriptor["d_v"]) for e in self.manifest.kernels
+                if e.descriptor["kernel"] == kernel and e.descriptor["dtype"] == dtype and e.arch in archs)
+        return self._head_dims[key]
 
     def has(self, request: dict[str, Any], capability: tuple[int, int]) -> bool:
         """Whether the manifest holds `request` for an arch that runs on `capability` (no JIT)."""

@@ -3,9 +3,11 @@
 With sinks, `P_ij = exp(S_ij - LSE_i)` and `LSE_i = log(exp(sink_h) + sum_j exp(S_ij))`: the sink
 takes probability mass `exp(sink_h - LSE_i)` and contributes no value (as in gpt-oss). The forward
 returns this sink-inclusive LSE, so a row that sees no key gets O = 0 and LSE = sink_h (not -inf).
-The backward's kernels need nothing new (they recompute P from that LSE);
-dSink_h = -sum over (batch, i) of exp(sink_h - LSE_i) * delta_i, with delta = rowsum(dO * O),
-is a fixed-order torch reduction (deterministic).
+The backward's kernels recompute P from that LSE. dSink_h = -sum over (batch, i) of
+p_sink * (delta_i - dLSE_i) with delta_i = rowsum(dO * O) = sum_j P_ij dP_ij; the kernels sum
+p_sink * P * dP per key tile in fp32 (BwdParams::dsink_parts), so dSink does not inherit the
+rounding of the forward's low-precision O, and the host adds the tiles in a fixed order
+(deterministic) with the dLSE term (d LSE_i / d sink_h = p_sink).
 """
 from __future__ import annotations
 
@@ -27,12 +29,16 @@ def prepare_sink(sink: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return sink.detach().to(torch.float32).contiguous()
 
 
-def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+def sink_gradient(sink: torch.Tensor, sink_parts: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                   rows: torch.Tensor | None = None) -> torch.Tensor:
-    """dSink (H_q,) in sink's dtype from the forward's LSE and the backward's delta (B, H_q, S_q),
+    """dSink (H_q,) in sink's dtype from the kernel's (B, H_q, key tiles) sums of p_sink * P * dP,
+    and, with the LSE's gradient `dlse`, its term over the forward's LSE (both (B, H_q, S_q)),
     summing over the query rows where the bool (S_q,) `rows` is True (all by default: a packed
     batch's rows outside its sequences hold no values)."""
-    terms = torch.exp(sink.detach().float()[None, :, None] - lse) * delta
-    if rows is not None:
-        terms = torch.where(rows, terms, 0.0)
-    return (-terms.sum(dim=(0, 2))).to(sink.dtype)
+    total = -sink_parts.sum(dim=(0, 2))
+    if dlse is not None:
+        terms = torch.exp(sink.detach().float()[None, :, None] - lse) * dlse
+        if rows is not None:
+            terms = torch.where(rows, terms, 0.0)
+        total = total + terms.sum(dim=(0, 2))
+    return total.to(sink.dtype)

@@ -10,8 +10,9 @@ The values of cu_seqlens are not read on the host (that would synchronize): they
 0 or later, never decrease, end at most at total, and differ by at most max_seqlen. The kernels
 clamp them into those bounds, so breaking this gives wrong values, never a stray memory access;
 PackedBatch.validate (varlen_attention(..., validate=True)) checks them, at the cost of a sync.
-Tokens past the last sequence, and their rows of out and lse, are left untouched by the forward;
-the backward gives them zero gradients. The hopper forward (its `packed: true` variants) reads
+Tokens in no sequence (before the first or past the last) get O = 0 and LSE = -inf, as a row that
+sees no key, and zero gradients, also in buffers the caller passes (out=, dq=, ...): the kernels
+write the tokens inside sequences only, and the host fills the rest. The hopper forward (its `packed: true` variants) reads
 whole key tiles, so past a sequence's end it may load tokens of the next one or of no sequence,
 but it masks their scores and zeroes their values before they are used.
 """
@@ -134,8 +135,23 @@ def as_tokens(t: torch.Tensor) -> torch.Tensor:
     return t[0] if t.dim() == 3 else t[0].transpose(0, 1)
 
 
-def token_mask(packed: PackedBatch, total_q: int) -> torch.Tensor:
-    """Bool (total_q,): the query tokens inside a sequence (computed on the device, no sync)."""
-    tokens = torch.arange(total_q, device=packed.cu_seqlens_q.device, dtype=torch.int32)
-    cu = packed.cu_seqlens_q
-    return (tokens >= cu[0]) & (tokens < cu[-1]) if cu.numel() > 1 else torch.zeros_like(tokens, dtype=torch.bool)
+def token_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Bool (total,): the tokens inside a sequence of `cu_seqlens` (computed on the device, no sync)."""
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+    if cu_seqlens.numel() < 2:
+        return torch.zeros_like(tokens, dtype=torch.bool)
+    return (tokens >= cu_seqlens[0]) & (tokens < cu_seqlens[-1])
+
+
+def sequence_rows(rows: tuple[torch.Tensor | None, ...], packed: PackedBatch
+                  ) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor]:
+    """Per-token (1, H, total_q) tensors as per-sequence (batch, H, max_seqlen_q) ones (the layout of
+    a dense batch's rows), and the bool (batch, 1, max_seqlen_q) of the rows that exist; gathered on
+    the device, no sync."""
+    cu = packed.cu_seqlens_q.long()
+    index = cu[:-1, None] + torch.arange(packed.max_seqlen_q, device=cu.device)[None, :]
+    valid = index < cu[1:, None]
+    total = next(t for t in rows if t is not None).shape[2]
+    index = index.clamp(max=max(total - 1, 0))
+    gathered = tuple(None if t is None else t[0][:, index].transpose(0, 1) for t in rows)
+    return gathered, valid[:, None, :]

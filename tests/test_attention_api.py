@@ -10,6 +10,7 @@ import torch
 import flashkiln
 from flashkiln import inputs
 from flashkiln.forward import plan_forward
+from flashkiln.head_dims import kernel_dims, padded
 from flashkiln.inputs import check_forward_outputs, is_kernel_layout, kernel_layout
 from test_registry import all_variants, descriptor, fake_registry  # tests/ is on sys.path (conftest.py)
 
@@ -84,11 +85,31 @@ def test_kv_seqlen_mismatch(registry):
 
 
 def test_unsupported_head_dim(registry):
-    expect_invalid(registry, *qkv(d=80), match="q/k head dim 80 is not supported")
+    expect_invalid(registry, *qkv(d=264), match="q/k head dim 264 is not supported: .* from 1 to 256")
 
 
 def test_unsupported_v_head_dim(registry):
-    expect_invalid(registry, *qkv(d=64, d_v=80), match="v head dim 80 is not supported")
+    expect_invalid(registry, *qkv(d=64, d_v=0), match="v head dim 0 is not supported")
+
+
+def test_head_dims_that_were_not_generated_run_on_the_next_larger_kernel():
+    generated = frozenset({(64, 64), (128, 128), (192, 128), (256, 256)})
+    assert kernel_dims(64, 64, generated, "forward") == (64, 64)
+    assert kernel_dims(1, 1, generated, "forward") == (64, 64)
+    assert kernel_dims(59, 59, generated, "forward") == (64, 64)
+    assert kernel_dims(80, 80, generated, "forward") == (128, 128)
+    assert kernel_dims(160, 96, generated, "forward") == (192, 128)
+    assert kernel_dims(192, 192, generated, "forward") == (256, 256)
+    assert kernel_dims(129, 64, generated, "forward") == (192, 128)
+    with pytest.raises(flashkiln.VariantNotFoundError, match=r"head dims 200 \(generated for this GPU: 64, 128\)"):
+        kernel_dims(200, 200, frozenset({(64, 64), (128, 128)}), "forward")
+
+
+def test_padding_is_zeros_along_the_head_dim_only():
+    t = torch.randn(2, 3, 5, 59, dtype=torch.bfloat16).transpose(1, 2)
+    got = padded(t, 64)
+    assert got.shape == (2, 5, 3, 64) and torch.equal(got[..., :59], t) and not got[..., 59:].any()
+    assert padded(t, 59) is t
 
 
 def test_q_k_head_dim_mismatch(registry):

@@ -84,7 +84,8 @@ def test_plan_packs_every_tensor_and_stride(registry, monkeypatch):
         assert [getattr(params, f"{name}_{kind}_stride") for kind in ("batch", "head", "row")] == list(t.stride()[:3])
     assert (params.q, params.dout, params.lse, params.dq) == (q.data_ptr(), dout.data_ptr(), lse.data_ptr(),
                                                               dq.data_ptr())
-    delta, dq_accum, semaphore, workspace = p.workspaces
+    s = p.scratch
+    delta, dq_accum, semaphore, workspace = s.delta, s.dq_accum, s.semaphore, s.ds_workspace
     assert delta.shape == (2, 4, 100) and dq_accum.shape == (2, 4, 128, 128) and dq_accum.dtype == torch.float32
     assert params.delta == delta.data_ptr() and params.dq_accum == dq_accum.data_ptr()
 
@@ -96,7 +97,8 @@ def test_deterministic_plan_keeps_ds_in_a_workspace_when_it_fits(registry):
     assert [l.entry.descriptor["kernel"] for l in p.launches] == ["bwd_pre", "bwd", "bwd_dq"]
     assert main.entry.descriptor["deterministic"] and dq.entry.descriptor["causal"] == "bottom_right"
     assert dq.grid == (2, 4, 2)  # 100 query rows in tiles of 64
-    delta, dq_accum, semaphore, workspace = p.workspaces
+    s = p.scratch
+    delta, dq_accum, semaphore, workspace = s.delta, s.dq_accum, s.semaphore, s.ds_workspace
     assert dq_accum is None and semaphore is None and main.params.dq_accum == 0 and main.params.dq_semaphore == 0
     # Dense dS in the input dtype, rows of S_k = 300 padded to whole 16-byte pieces (304).
     assert workspace.numel() == 2 * 4 * 100 * 304 and workspace.dtype == q.dtype
@@ -106,7 +108,7 @@ def test_deterministic_plan_keeps_ds_in_a_workspace_when_it_fits(registry):
 def _expect_ordered(p):
     assert p.route == "ordered" and p.launches[1].entry.descriptor["deterministic"] is True
     assert [l.entry.descriptor["kernel"] for l in p.launches] == ["bwd_pre", "bwd", "bwd_post"]
-    semaphore = p.workspaces[2]
+    semaphore = p.scratch.semaphore
     assert semaphore.shape == (2, 4, 2) and semaphore.dtype == torch.int32 and not semaphore.any()
     assert p.launches[1].params.dq_semaphore == semaphore.data_ptr() and p.launches[1].params.ds_workspace == 0
 
@@ -125,7 +127,7 @@ def test_routes_follow_the_measured_preference_by_head_dim(registry):
     assert routes == {(64, False): "atomic", (64, True): "workspace", (128, False): "workspace",
                       (128, True): "workspace", (256, False): "workspace", (256, True): "workspace"}
     atomic, _ = plan(registry, d=64)
-    assert atomic.workspaces[2:] == (None, None)
+    assert atomic.scratch.semaphore is None and atomic.scratch.ds_workspace is None
     assert atomic.launches[1].params.dq_semaphore == 0 and atomic.launches[1].params.ds_workspace == 0
     # A call that is not deterministic still runs the deterministic main kernel on the workspace route.
     assert plan(registry, d=128)[0].launches[1].entry.descriptor["deterministic"] is True
@@ -187,9 +189,9 @@ def test_backward_refuses_cpu_tensors_and_bad_buffers(registry):
         flashkiln.attention_backward(dout, q, k, v, out, lse, registry=registry)
     assert registry.driver.calls == []
     with pytest.raises(flashkiln.InvalidInputError, match="dq must be a"):
-        _check_gradient_buffer("dq", torch.empty(1), q)
+        _check_gradient_buffer("dq", torch.empty(1), q, {}, written_in_place=True)
     with pytest.raises(flashkiln.InvalidInputError, match="16-byte aligned"):
-        _check_gradient_buffer("dq", torch.empty(2, 4, 100, 129, dtype=q.dtype)[..., 1:], q)
+        _check_gradient_buffer("dq", torch.empty(2, 4, 100, 129, dtype=q.dtype)[..., 1:], q, {}, written_in_place=True)
 
 
 def test_sdpa_refuses_what_it_does_not_support():

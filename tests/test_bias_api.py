@@ -101,7 +101,7 @@ def test_a_biased_backward_runs_the_deterministic_bias_kernel_on_the_workspace_r
     assert main.entry.descriptor["deterministic"] is True
     # S_k = 300 rows padded to whole 16-byte pieces (304); batch broadcast as a zero stride.
     assert main.params.bias != 0 and main.params.bias_head_stride == 100 * 304 and main.params.bias_batch_stride == 0
-    workspace = p.workspaces[3]
+    workspace = p.scratch.ds_workspace
     assert not workspace.any(), "tiles no key tile visits are read by dBias: zeroed under a causal mask"
     # Without dBias, beyond the budget: the ordered route, still the deterministic bias kernel.
     p = plan(registry, bias_grad=False)
@@ -126,3 +126,46 @@ def test_sdpa_turns_a_boolean_mask_into_its_bias_once(monkeypatch):
     ops.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     (bias,) = seen
     assert bias.dtype == torch.bfloat16 and torch.equal(torch.isneginf(bias), ~mask)
+
+
+def _exact_key_constant_case(seed: int, bias_shape, with_sink: bool, with_dlse: bool, sk: int = 5):
+    """fp64 on the CPU: q, k, v, dO, a key-constant bias, a sink and dLSE; the autograd dBias and the
+    per-row quantities key_constant_gradient takes, each computed from its definition."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, sq, d = 2, 3, 7, 8
+    randn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v, dout = randn(b, h, sq, d), randn(b, h, sk, d), randn(b, h, sk, d), randn(b, h, sq, d)
+    bias = (3 * randn(*bias_shape)).requires_grad_()
+    sink = randn(h) if with_sink else None
+    dlse = randn(b, h, sq) if with_dlse else None
+    scores = q @ k.transpose(-1, -2) / d**0.5 + bias
+    scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1), float("-inf"))  # causal (top left)
+    full = scores if sink is None else torch.cat([scores, sink[None, :, None, None].expand(b, h, sq, 1)], -1)
+    lse = torch.logsumexp(full, -1)
+    probs = torch.exp(scores - lse[..., None])
+    out = probs @ v
+    loss = (out * dout).sum() + (0 if dlse is None else (lse * dlse).sum())
+    loss.backward()
+    dp = dout @ v.transpose(-1, -2)
+    delta = (probs * dp).sum(-1)  # = rowsum(dO * O)
+    kernel_delta = delta - (0 if dlse is None else dlse)
+    parts = None
+    if sink is not None:
+        p_sink = torch.exp(sink[None, :, None] - lse)
+        parts = (p_sink * delta).sum(-1, keepdim=True)  # one "key tile"
+    detached = (t if t is None else t.detach() for t in (lse, kernel_delta, dlse, sink, parts))
+    return (bias, *detached)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 1, 1, 1), (2, 3, 7, 1), (1, 3, 1, 1), (2, 1, 7, 1), (7, 1), (1,)])
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_a_key_constant_bias_gradient_is_its_closed_form(bias_shape, with_sink, with_dlse):
+    from flashkiln.bias import key_constant_gradient
+
+    bias, lse, delta, dlse, sink, parts = _exact_key_constant_case(7, bias_shape, with_sink, with_dlse)
+    kb = prepare_bias(bias.detach(), (2, 3, 7, 5), torch.empty(2, 3, 7, 8, dtype=torch.float64))
+    assert kb.key_constant
+    got = key_constant_gradient(kb, lse, delta, dlse, sink, parts, None)
+    assert got.shape == bias.shape
+    assert torch.allclose(got, bias.grad, rtol=1e-9, atol=1e-12), (got - bias.grad).abs().max()

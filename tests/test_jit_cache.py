@@ -30,9 +30,10 @@ def _child(script: str, tiny_specs: Path, **popen) -> subprocess.Popen:
 
 
 def fake_compile(cubin: bytes):
-    """A stand-in for the NVRTC compile: (cubin, manifest fields) for any descriptor."""
-    return lambda descriptor: (cubin, {"threads": 32, "smem_bytes": 3072, "registers": 40, "spill_bytes": 0,
-                                       "compile_seconds": 0.1, "nvrtc_version": "13.0", "cutlass_version": "4.2.0.0"})
+    """A stand-in for the NVRTC compile of any unit."""
+    from flashkiln.generator.nvrtc import CompileResult
+
+    return lambda unit: CompileResult(cubin, "", 0.1)
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_loadable(tmp_path, tiny_specs,
     assert all(cache.read(arch_dir, p.stem) is None for p in arch_dir.glob("*.cubin"))
     # The next process takes the (released) lock and completes the entry.
     entry = cache.get_or_compile(TINY_REQUEST, "sm_90a")
-    assert cache.read(arch_dir, entry.hash) is not None
+    assert cache.read(arch_dir, Path(entry.cubin).stem) is not None
 
 
 def test_a_corrupt_cubin_is_not_loadable(tmp_path, jit_specs, monkeypatch):
@@ -96,7 +97,7 @@ def test_a_corrupt_cubin_is_not_loadable(tmp_path, jit_specs, monkeypatch):
     cache = JitCache(tmp_path)
     entry = cache.get_or_compile(TINY_REQUEST, "sm_80")
     Path(entry.cubin).write_bytes(b"cubin bytez")
-    assert cache.read(Path(entry.cubin).parent, entry.hash) is None
+    assert cache.read(Path(entry.cubin).parent, Path(entry.cubin).stem) is None
 
 
 @pytest.mark.parametrize("make_unsafe", ["symlink", "other_owner", "group_writable", "world_writable"])
@@ -151,9 +152,9 @@ def test_without_jit_a_miss_stays_a_typed_error(tmp_path, monkeypatch):
     assert "no kernel manifest" in str(info.value)
 
 
-def test_jit_without_tuning_is_a_variant_not_found_error(tmp_path, jit_specs):
+def test_jit_of_a_variant_no_spec_enumerates_is_a_variant_not_found_error(tmp_path, jit_specs):
     registry = KernelRegistry(tmp_path / "none", driver=FakeDriver(), jit_cache=JitCache(tmp_path / "jit"))
-    with pytest.raises(VariantNotFoundError, match="no tuning for fwd sm_90a head dims 96 in"):
+    with pytest.raises(VariantNotFoundError, match="no spec in .* enumerates kernel=fwd, .*d_qk=96"):
         registry.find({**TINY_REQUEST, "d_qk": 96, "d_v": 96}, (9, 0))
 
 
@@ -170,3 +171,64 @@ def test_cache_cli_lists_and_clears(tmp_path, jit_specs, monkeypatch):
     cleared = subprocess.run([sys.executable, "-m", "flashkiln", "cache", "clear"], env=env, capture_output=True,
                              text=True)
     assert cleared.returncode == 0 and JitCache().entries() == []
+
+
+def test_a_header_edit_changes_the_jit_key_and_recompiles(tmp_path, jit_specs, monkeypatch):
+    """The JIT cache is keyed as the build cache is: an edit of flashkiln's headers (seen through the
+    toolchain identity) names another entry, which is compiled anew instead of served stale."""
+    import flashkiln.generator.jit as generator_jit
+    from flashkiln.generator import toolchain as tc_module
+    from flashkiln.generator.cache import cache_key
+
+    compiles = []
+    monkeypatch.setattr(generator_jit, "compile_variant", lambda unit: compiles.append(unit) or
+                        fake_compile(b"cubin")(unit))
+    cache = JitCache(tmp_path)
+    first = cache.get_or_compile(TINY_REQUEST, "sm_80")
+    unit = compiles[0]
+    assert unit.key == cache_key(unit.source, tc_module.toolchain().identity, "sm_80")
+    assert cache.get_or_compile(TINY_REQUEST, "sm_80") == first and len(compiles) == 1
+    real_digest = tc_module.own_headers_digest()
+    monkeypatch.setattr(tc_module, "own_headers_digest", lambda: "edited " + real_digest)
+    tc_module.toolchain.cache_clear()
+    try:
+        second = cache.get_or_compile(TINY_REQUEST, "sm_80")
+    finally:
+        tc_module.toolchain.cache_clear()
+    assert len(compiles) == 2 and Path(second.cubin).stem != Path(first.cubin).stem
+    assert second.hash == first.hash  # the same variant
+
+
+def _one_variant_per_group():
+    """One variant of each (family, kernel, bias) group of the default specs, as a JIT request."""
+    from flashkiln.descriptor import FUNCTIONAL_FIELDS
+    from flashkiln.generator.specs import load_variants
+    from flashkiln.generator.toolchain import SPECS_DIR
+
+    picked = {}
+    for v in sorted(load_variants(SPECS_DIR), key=lambda v: v.descriptor.name):
+        d = v.descriptor
+        picked.setdefault((d.family, d.kernel, d.bias, d.packed), d)
+    return [({k: getattr(d, k) for k in FUNCTIONAL_FIELDS if k != "arch"}, d.arch) for d in picked.values()]
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("request_arch", _one_variant_per_group(),
+                         ids=lambda r: "-".join(str(r[0][k]) for k in ("family", "kernel", "bias", "packed")))
+def test_the_jit_builds_every_group_of_the_default_specs(tmp_path, request_arch, monkeypatch):
+    """Through the public JIT path (a registry without kernels, FLASHKILN_JIT's cache, a fake
+    loader): the entry is the one `make generate` would build, tuning included."""
+    from flashkiln.archs import ARCHS
+    from flashkiln.generator.specs import load_variants
+    from flashkiln.generator.toolchain import SPECS_DIR
+
+    monkeypatch.delenv("FLASHKILN_JIT_SPECS", raising=False)
+    request, arch = request_arch
+    registry = KernelRegistry(tmp_path / "no-kernels", driver=FakeDriver(), jit_cache=JitCache(tmp_path / "jit"))
+    entry = registry.find(request, ARCHS[arch].capability)
+    built = [v for v in load_variants(SPECS_DIR) if v.descriptor.hash == entry.hash]
+    assert built and built[0].relative_speed == 1, "the JIT took the spec's reference tuning"
+    assert entry.registers > 0  # compiled by NVRTC, its ptxas report read
+    registry.load(entry, 0, ARCHS[arch].capability)
+    (_, image), = registry.driver.named("load_library")
+    assert image == Path(entry.cubin).read_bytes()

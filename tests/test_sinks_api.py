@@ -30,10 +30,13 @@ def test_the_kernel_reads_dense_fp32_sinks():
     assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, sink.float())
 
 
-def test_dsink_is_minus_the_sink_probability_times_delta():
+def test_dsink_sums_the_kernel_parts_and_the_lse_gradient_term():
     sink = torch.tensor([0.5, -1.0], dtype=torch.bfloat16)
+    parts = torch.randn(3, 2, 4)  # the kernel's per-key-tile sums of p_sink * P * dP
     lse = torch.randn(3, 2, 5) + 2
-    delta = torch.randn(3, 2, 5)
-    expected = -(torch.exp(sink.float()[None, :, None] - lse) * delta).sum(dim=(0, 2))
-    got = sink_gradient(sink, lse, delta)
+    dlse = torch.randn(3, 2, 5)
+    # d LSE / d sink = p_sink, and dSink = -sum p_sink * (rowsum(P dP) - dLSE).
+    expected = -parts.sum(dim=(0, 2)) + (torch.exp(sink.float()[None, :, None] - lse) * dlse).sum(dim=(0, 2))
+    got = sink_gradient(sink, parts, lse, dlse)
     assert got.dtype == sink.dtype and torch.equal(got, expected.to(sink.dtype))
+    assert torch.equal(sink_gradient(sink, parts, lse, None), (-parts.sum(dim=(0, 2))).to(sink.dtype))

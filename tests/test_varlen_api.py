@@ -90,15 +90,16 @@ def test_views_round_trip_and_the_kernels_see_one_batch_entry():
 
 def test_token_mask_covers_the_sequences_only():
     _, _, _, packed = packed_inputs(lengths_q=(2, 0, 3))
-    assert token_mask(packed, 7).tolist() == [True] * 5 + [False] * 2
+    assert token_mask(packed.cu_seqlens_q, 7).tolist() == [True] * 5 + [False] * 2
 
 
 def test_sink_gradient_ignores_rows_outside_the_sequences():
     sink = torch.tensor([0.5, -1.0])
+    parts = torch.tensor([[[0.25, 1.0], [2.0, -4.0]]])  # (batch, H, key tiles)
     lse = torch.tensor([[[1.0, 2.0, float("nan")], [0.0, 1.0, float("inf")]]])
-    delta = torch.tensor([[[0.25, -0.5, float("nan")], [1.0, 2.0, 3.0]]])
-    got = sink_gradient(sink, lse, delta, torch.tensor([True, True, False]))
-    expected = -(torch.exp(sink[:, None] - lse[0, :, :2]) * delta[0, :, :2]).sum(1)
+    dlse = torch.tensor([[[0.25, -0.5, float("nan")], [1.0, 2.0, 3.0]]])
+    got = sink_gradient(sink, parts, lse, dlse, torch.tensor([True, True, False]))
+    expected = -parts[0].sum(1) + (torch.exp(sink[:, None] - lse[0, :, :2]) * dlse[0, :, :2]).sum(1)
     assert torch.allclose(got, expected)
 
 
@@ -146,7 +147,8 @@ def test_atomic_plan_gives_each_sequence_aligned_accumulator_rows(bwd_registry, 
     pre, main, post = plan.launches
     p = main.params
     assert p.seqlen_q_rounded == 256 and p.dq_accum_rows == 137 + 3 * DQ_ACCUM_ROW_ALIGN
-    delta, dq_accum, semaphore, workspace = plan.workspaces
+    s = plan.scratch
+    delta, dq_accum, semaphore, workspace = s.delta, s.dq_accum, s.semaphore, s.ds_workspace
     assert delta.shape == (1, 4, 137) and dq_accum.shape == (1, 4, 137 + 3 * 128, 128)
     assert semaphore is None and workspace is None
     assert main.grid == (1, 4, 3) and pre.grid == (256 // 16, 4, 3) and post.grid == (math.ceil(130 / 16), 4, 3)
@@ -158,7 +160,7 @@ def test_workspace_plan_sizes_ds_by_the_longest_sequences(bwd_registry, monkeypa
     monkeypatch.setenv(ROUTE_ENV, "workspace")
     plan = backward_plan(bwd_registry, "workspace", hkv=4)
     assert plan.route == "workspace" and plan.dk_accum is None
-    workspace = plan.workspaces[3]
+    workspace = plan.scratch.ds_workspace
     assert workspace.numel() == 3 * 4 * 130 * 8  # max_seqlen_k = 7 padded to 8
     assert plan.launches[2].grid == (math.ceil(130 / 64), 4, 3)
 
@@ -179,7 +181,7 @@ def test_fake_ops_give_token_layouts():
                                           (q, k, v, bias, sink, packed.cu_seqlens_q, packed.cu_seqlens_k))
         out, lse = attention_forward_op(fq, fk, fv, fb, fs, "none", 0.125, None, cu_q, cu_k, 130, 7)
         assert out.shape == (137, 4, 64) and out.stride() == (256, 64, 1) and lse.shape == (4, 137)
-        dq, dk, dv, dbias, dsink = attention_backward_op(out, fq, fk, fv, out, lse, fb, True, fs, True, "none",
+        dq, dk, dv, dbias, dsink = attention_backward_op(out, fq, fk, fv, out, lse, None, fb, True, fs, True, "none",
                                                          0.125, None, cu_q, cu_k, 130, 7)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
         assert dq.stride() == q.stride() and dbias.shape == bias.shape and dsink.shape == (4,)

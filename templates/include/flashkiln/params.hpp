@@ -41,6 +41,11 @@ struct BwdParams {
   uint64_t ds_workspace;      // dS tiles of the deterministic workspace route (see bwd_tiles.hpp), or 0
   uint64_t bias;              // as in FwdParams
   uint64_t cu_seqlens_q, cu_seqlens_k;  // as in FwdParams
+  uint64_t dlse;              // float, as lse: the LSE's upstream gradient (enters delta), or 0
+  uint64_t sink;              // float (heads_q,): the forward's sink logits, or 0
+  // float (batch * heads_q, gridDim.x of the main kernel): per key tile, the sum over its rows and
+  // keys of p_sink * P * dP, in fp32 from unrounded P and dP (dSink without the rounded O); or 0
+  uint64_t dsink_parts;
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;

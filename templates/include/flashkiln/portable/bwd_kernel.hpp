@@ -234,6 +234,10 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   auto thr_store_ds = store_ds.get_thread_slice(tidx);
   Tensor tDScDS = thr_store_ds.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
+  // dSink's exact share (BwdParams::dsink_parts): delta = rowsum(dO * O) uses the rounded O, but
+  // rowsum(P * dP) over every key is the same quantity from unrounded P and dP.
+  float sink_pdp = 0.f;
+
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimQK>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimV>>{});
   clear(acc_dk);
@@ -293,15 +297,31 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
                                                    causal_offset)) {
         mask_scores<T::kCausal>(s, tScS, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k, causal_offset);
       }
-      // P = exp(scale * s - lse) and dS = P (dP - delta), in place of the accumulators.
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
+      // P = exp(scale * s - lse) and dS = P (dP - delta), in place of the accumulators; with
+      // dSink asked for, also this thread's share of sum p_sink * P * dP.
+      auto probabilities_and_ds = [&](auto with_sink) {
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(s); ++c) {
-          const float prob = exp2f(fmaf(s(r, c), p.scale_log2, -lse_log2[r]));
-          s(r, c) = prob;
-          dp(r, c) = prob * (dp(r, c) - row_delta[r]);
+        for (int r = 0; r < kRows; ++r) {
+          float row_pdp = 0.f;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            const float prob = exp2f(fmaf(s(r, c), p.scale_log2, -lse_log2[r]));
+            if constexpr (decltype(with_sink)::value) {
+              row_pdp = fmaf(prob, dp(r, c), row_pdp);
+            }
+            s(r, c) = prob;
+            dp(r, c) = prob * (dp(r, c) - row_delta[r]);
+          }
+          if constexpr (decltype(with_sink)::value) {
+            const float sink_log2 = reinterpret_cast<float const*>(p.sink)[head] * kLog2e;
+            sink_pdp = fmaf(exp2f(sink_log2 - lse_log2[r]), row_pdp, sink_pdp);
+          }
         }
+      };
+      if (p.dsink_parts != 0) {
+        probabilities_and_ds(cute::true_type{});
+      } else {
+        probabilities_and_ds(cute::false_type{});
       }
       Tensor rP = convert_fragment<Element>(acc_s);
       Tensor rdS = convert_fragment<Element>(acc_dp);
@@ -338,7 +358,27 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
     }
   }
 
-  // ---- epilogue: dK (scaled) and dV, per kv head or per query head for GQA ------------------------
+  // ---- epilogue: the dSink share (a fixed-order CTA sum), dK (scaled) and dV -----------------------
+  if (p.dsink_parts != 0) {
+    CUTE_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sink_pdp += __shfl_xor_sync(0xffffffff, sink_pdp, offset);
+    }
+    float* warp_sums = reinterpret_cast<float*>(smem);  // the query ring is idle now
+    __syncthreads();
+    if (tidx % 32 == 0) {
+      warp_sums[tidx / 32] = sink_pdp;
+    }
+    __syncthreads();
+    if (tidx == 0) {
+      float total = 0.f;
+      for (int w = 0; w < T::kWarps; ++w) {
+        total += warp_sums[w];
+      }
+      reinterpret_cast<float*>(p.dsink_parts)[bh * gridDim.x + blockIdx.x] = total;
+    }
+  }
+
   Tensor cK = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimQK>>{}));
   Tensor cV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDimV>>{}));
   if (p.heads_q == p.heads_kv) {

@@ -1,5 +1,5 @@
 // The backward's two small memory-bound kernels around the main one:
-//   preprocess:  delta = rowsum(dO * O) in fp32, and the dQ accumulator zeroed (if there is one);
+//   preprocess:  delta = rowsum(dO * O) - dLSE in fp32, and the dQ accumulator zeroed (if there is one);
 //   postprocess: dQ = scale * dQ_accum, converted to the element type, written by dQ's strides.
 // Rows are spread over groups of 8 lanes that move 16 bytes each (128 contiguous bytes a row).
 #pragma once
@@ -61,7 +61,10 @@ __device__ __forceinline__ void bwd_preprocess(BwdParams const& p) {
     }
     sum = row_group_sum(sum);
     if (lane == 0) {
-      reinterpret_cast<float*>(p.delta)[seq.q_row(p, head) + row] = sum;
+      const int64_t index = seq.q_row(p, head) + row;
+      // dLSE_i enters as dS_ij = P_ij (dP_ij - delta_i + dLSE_i), since dLSE_i / dS_ij = P_ij.
+      const float dlse = p.dlse != 0 ? reinterpret_cast<float const*>(p.dlse)[index] : 0.f;
+      reinterpret_cast<float*>(p.delta)[index] = sum - dlse;
     }
   }
   if (p.dq_accum != 0 && row < seq.dq_accum_rows()) {
