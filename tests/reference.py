@@ -33,6 +33,7 @@ class Reference:
     out: torch.Tensor  # (B, H_q, S_q, d_v)
     lse: torch.Tensor  # (B, H_q, S_q), fp32; -inf where a row sees no key
     empty_rows: torch.Tensor  # (B, H_q, S_q) bool: rows that see no key
+    lse_graph: torch.Tensor  # the LSE in the compute dtype, differentiable (for dLSE)
 
 
 def as_additive(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -75,12 +76,15 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         lse = torch.logsumexp(torch.cat([scores.detach().float().masked_fill(empty[..., None], float("-inf")),
                                          column.detach().float()], dim=-1), dim=-1)
         probs = probs.masked_fill(empty[..., None], 0.0)
-        return Reference(torch.matmul(probs, v), lse, empty)
+        # A row that sees no key has LSE = its sink.
+        lse_graph = torch.where(empty, column[..., 0], torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1))
+        return Reference(torch.matmul(probs, v), lse, empty, lse_graph)
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v)
     out = out.masked_fill(empty[..., None], 0.0)
     lse = keys_lse.masked_fill(empty, float("-inf"))
-    return Reference(out, lse, empty)
+    lse_graph = torch.logsumexp(scores, dim=-1).masked_fill(empty, float("-inf"))
+    return Reference(out, lse, empty, lse_graph)
 
 
 @dataclass(frozen=True)
@@ -94,16 +98,20 @@ class GradReference:
 
 def attention_grad_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                              causal: str | None, scale: float | None, compute_dtype: torch.dtype,
-                             bias: torch.Tensor | None = None, sink: torch.Tensor | None = None) -> GradReference:
+                             bias: torch.Tensor | None = None, sink: torch.Tensor | None = None,
+                             dlse: torch.Tensor | None = None) -> GradReference:
     """dq, dk, dv (and dbias for a float bias) of attention_reference(...).out for upstream gradient
-    `dout` (autograd in `compute_dtype`)."""
+    `dout`, and of its LSE for `dlse` when given (autograd in `compute_dtype`)."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
     bias_leaf = None
     if bias is not None:
         bias_leaf = bias if bias.dtype == torch.bool else bias.detach().to(compute_dtype).requires_grad_()
     sink_leaf = None if sink is None else sink.detach().to(compute_dtype).requires_grad_()
     ref = attention_reference(*leaves, causal, scale, compute_dtype, bias_leaf, sink_leaf)
-    ref.out.backward(dout.to(compute_dtype))
+    if dlse is None:
+        ref.out.backward(dout.to(compute_dtype))
+    else:
+        torch.autograd.backward([ref.out, ref.lse_graph], [dout.to(compute_dtype), dlse.to(compute_dtype)])
     dbias = bias_leaf.grad if bias_leaf is not None and bias_leaf.dtype != torch.bool else None
     return GradReference(*(t.grad for t in leaves), dbias, None if sink_leaf is None else sink_leaf.grad)
 

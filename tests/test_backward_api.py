@@ -215,3 +215,51 @@ def test_kernel_written_allocations_skip_the_deterministic_fill_and_restore_it()
             assert torch.utils.deterministic.fill_uninitialized_memory is False
             raise RuntimeError
     assert torch.utils.deterministic.fill_uninitialized_memory == before
+
+
+def test_plan_passes_the_lse_gradient_and_asks_for_the_sink_sums(registry, monkeypatch):
+    monkeypatch.setenv(ROUTE_ENV, "atomic")
+    dout, q, k, v, out, lse = tensors(b=2, hq=4, sq=100, sk=300)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    dlse, sink = torch.randn_like(lse), torch.randn(4)
+    p = plan_backward(dout, q, k, v, out, lse, dq, dk, dv, "none", 0.125, False, (9, 0), H200_MEMORY, registry,
+                      dlse=dlse, sink=sink, sink_parts=True)
+    params = p.launches[1].params
+    parts = p.scratch.sink_parts
+    # One fp32 sum per (batch, head, key tile of the main kernel's grid), zeroed (CTAs past a
+    # shorter packed sequence write none).
+    assert parts.shape == (2, 4, p.launches[1].grid[0]) and parts.dtype == torch.float32 and not parts.any()
+    assert (params.dlse, params.sink, params.dsink_parts) == (dlse.data_ptr(), sink.data_ptr(), parts.data_ptr())
+    plain = plan(registry)[0]
+    assert plain.scratch.sink_parts is None
+    assert (plain.launches[1].params.dlse, plain.launches[1].params.sink, plain.launches[1].params.dsink_parts) == (0, 0, 0)
+
+
+def test_output_buffers_may_not_overlap_themselves_or_what_the_call_reads():
+    from flashkiln.inputs import check_output_buffer, has_internal_overlap
+
+    base = torch.empty(2, 4, 8, 64)
+    assert not has_internal_overlap(base) and not has_internal_overlap(base.transpose(1, 2))
+    assert not has_internal_overlap(base[:, :, ::2]) and not has_internal_overlap(torch.empty(1, 1, 1, 64))
+    assert has_internal_overlap(base[:, :1].expand(2, 4, 8, 64))
+    assert has_internal_overlap(torch.empty(96).as_strided((2, 64), (32, 1)))
+    check_output_buffer("out", base, {"q": torch.empty_like(base), "bias": None})
+    with pytest.raises(flashkiln.InvalidInputError, match="out shares memory with q"):
+        check_output_buffer("out", base[:, :2], {"q": base[:, 1:]})
+    with pytest.raises(flashkiln.InvalidInputError, match="out has overlapping elements"):
+        check_output_buffer("out", base[:, :1].expand(2, 4, 8, 64), {})
+
+
+@pytest.mark.parametrize("call", ["sdpa", "varlen", "forward", "backward"])
+def test_a_non_tensor_is_a_typed_error_before_anything_else(call):
+    t = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(flashkiln.InvalidInputError, match="must be a torch.Tensor, got list"):
+        if call == "sdpa":
+            flashkiln.scaled_dot_product_attention([1.0], t, t)
+        elif call == "varlen":
+            cu = torch.zeros(2, dtype=torch.int32)
+            flashkiln.varlen_attention([1.0], t[0], t[0], cu, cu, 8, 8)
+        elif call == "forward":
+            flashkiln.attention_forward(t, [1.0], t)
+        else:
+            flashkiln.attention_backward(t, t, t, [1.0], t, t[..., 0].float())

@@ -84,9 +84,9 @@ def registry(tmp_path):
     return make_registry(tmp_path, ds, dims=(128,))
 
 
-def plan(registry, causal="none", bias_grad=True, deterministic=False):
+def plan(registry, causal="none", bias_grad=True, deterministic=False, bias_shape=(1, 4, 100, 300)):
     dout, q, k, v, out, lse = tensors()
-    kb = prepare_bias(torch.randn(1, 4, 100, 300, dtype=torch.bfloat16), (*q.shape[:3], 300), q)
+    kb = prepare_bias(torch.randn(bias_shape, dtype=torch.bfloat16), (*q.shape[:3], 300), q)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     return plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), H200_MEMORY,
                          registry, kb, bias_grad)
@@ -169,3 +169,14 @@ def test_a_key_constant_bias_gradient_is_its_closed_form(bias_shape, with_sink, 
     got = key_constant_gradient(kb, lse, delta, dlse, sink, parts, None)
     assert got.shape == bias.shape
     assert torch.allclose(got, bias.grad, rtol=1e-9, atol=1e-12), (got - bias.grad).abs().max()
+
+
+def test_a_key_constant_bias_gradient_needs_no_ds_workspace(registry, monkeypatch):
+    """Its closed form (bias.key_constant_gradient) replaces the dS tiles: the route is the one of a
+    backward without dBias."""
+    monkeypatch.delenv(ROUTE_ENV, raising=False)
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "0")
+    for shape, route in (((1, 4, 100, 1), "ordered"), ((1, 1, 1, 1), "ordered"), ((1, 4, 100, 300), "workspace")):
+        p = plan(registry, bias_shape=shape)
+        assert p.route == route, shape
+        assert (p.scratch.ds_workspace is None) == (route != "workspace")

@@ -61,9 +61,11 @@ def test_opcheck_backward(sample):
     sink = _sink(sample, q, requires_grad=False)
     out, lse = torch.ops.flashkiln.attention_forward(q, k, v, bias, sink, causal, scale, None)
     dout = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.flashkiln.attention_backward.default,
-                          (dout, q, k, v, out, lse, bias, bias is not None, sink, sink is not None, causal, scale,
-                           True))
+    dlse = torch.randn_like(lse)
+    for lse_grad in (None, dlse):
+        torch.library.opcheck(torch.ops.flashkiln.attention_backward.default,
+                              (dout, q, k, v, out, lse, lse_grad, bias, bias is not None, sink, sink is not None,
+                               causal, scale, True))
 
 
 def _loss_and_grads(fn, q, k, v, dout):

@@ -208,3 +208,15 @@ def test_validate_names_the_first_bad_offset(cu_q, cu_k, match):
     else:
         with pytest.raises(flashkiln.InvalidInputError, match=match):
             packed.validate(137, 12)
+
+
+def test_sequence_rows_gathers_each_sequence_rows_from_the_tokens():
+    from flashkiln.varlen import sequence_rows
+
+    cu = torch.tensor([1, 3, 3, 6], dtype=torch.int32)  # token 0 and 6 lie in no sequence
+    packed = PackedBatch(cu, cu, 3, 3)
+    tokens = torch.arange(2 * 7, dtype=torch.float32).view(1, 2, 7)  # (1, H, total)
+    (rows, none), valid = sequence_rows((tokens, None), packed)
+    assert none is None and rows.shape == (3, 2, 3) and valid.shape == (3, 1, 3)
+    assert valid[:, 0].tolist() == [[True, True, False], [False, False, False], [True, True, True]]
+    assert rows[0, 1, :2].tolist() == [8.0, 9.0] and rows[2, 0].tolist() == [3.0, 4.0, 5.0]

@@ -85,6 +85,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
                 head_kv * p.v_head_stride;
   float const* lse = reinterpret_cast<float const*>(p.lse) + seq.q_row(p, head);
   float const* delta = reinterpret_cast<float const*>(p.delta) + seq.q_row(p, head);
+  float const* dlse = p.dlse != 0 ? reinterpret_cast<float const*>(p.dlse) + seq.q_row(p, head) : nullptr;
   Tensor gQ = gmem_tiles<kBlockM, kDimQK>(q_base, seq.seqlen_q, p.q_row_stride, _);     // (M, dqk, m)
   Tensor gdO = gmem_tiles<kBlockM, kDimV>(do_base, seq.seqlen_q, p.do_row_stride, _);   // (M, dv, m)
   Tensor gK = gmem_tiles<kBlockN, kDimQK>(k_base, seq.seqlen_k, p.k_row_stride, n_block);  // (N, dqk)
@@ -230,6 +231,36 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       turn.fetch_add(1, cuda::memory_order_release);
     }
   };
+  // delta of this thread's rows as rowsum(P * dP) - dLSE, from each thread's partial row sums of a
+  // tile that holds every key (a fixed-order sum: the quad's lanes, then the warps along N). The
+  // partials pass through P's shared buffer, free until this step's P is stored.
+  auto whole_row_deltas = [&](auto const& partial, float (&row_delta)[decltype(size<0>(tScS))::value], int m_block) {
+    constexpr int kWarpsN = T::kWarps / T::kWarpsSdP;
+    const int warp_n = tidx / 32 / T::kWarpsSdP;  // a TiledMMA's warps run along M first
+    float* row_sums = reinterpret_cast<float*>(smem_p);
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(tScS); ++r) {
+      float x = partial[r];
+      x += __shfl_xor_sync(0xffffffff, x, 1);  // the four lanes of a quad hold one row's columns
+      x += __shfl_xor_sync(0xffffffff, x, 2);
+      if (tidx % 4 == 0) {
+        row_sums[get<0>(tScS(r, 0)) * kWarpsN + warp_n] = x;
+      }
+    }
+    __syncthreads();
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(tScS); ++r) {
+      const int local = get<0>(tScS(r, 0));
+      float total = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarpsN; ++w) {
+        total += row_sums[local * kWarpsN + w];
+      }
+      const int row = m_block * kBlockM + local;
+      row_delta[r] = total - (dlse != nullptr && row < seq.seqlen_q ? dlse[row] : 0.f);
+    }
+    __syncthreads();  // every thread has read its sums before P overwrites them
+  };
   typename T::GmemCopydS::Move store_ds;
   auto thr_store_ds = store_ds.get_thread_slice(tidx);
   Tensor tDScDS = thr_store_ds.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -266,7 +297,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
     for (int m_block = m_begin, step = 0; m_block < m_blocks; ++m_block, ++step) {
       const int stage = T::kStages == 2 ? (step & 1) : 0;
       // This thread's rows of the (M, N) tile: LSE (base 2; +inf for rows that see no key or lie
-      // past the end, so their P is 0) and delta.
+      // past the end, so their P is 0) and delta (rowsum(dO * O) - dLSE, from the preprocess).
       float lse_log2[kRows], row_delta[kRows];
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
@@ -298,30 +329,55 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
         mask_scores<T::kCausal>(s, tScS, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k, causal_offset);
       }
       // P = exp(scale * s - lse) and dS = P (dP - delta), in place of the accumulators; with
-      // dSink asked for, also this thread's share of sum p_sink * P * dP.
-      auto probabilities_and_ds = [&](auto with_sink) {
+      // dSink asked for, also this thread's share of sum p_sink * P * dP. When the CTA holds every
+      // key of its rows (one key tile), delta is their rowsum(P * dP) itself, from unrounded P and
+      // dP: the preprocess's rowsum(dO * O) carries the rounding of the forward's O, which
+      // dominates dS = P (dP - delta) where P sits on few keys (there dP ~ delta).
+      auto probabilities_and_ds = [&](auto with_sink, auto whole_rows) {
+        constexpr bool kSink = decltype(with_sink)::value;
+        constexpr bool kWholeRows = decltype(whole_rows)::value;
+        float row_pdp[kRows];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          float row_pdp = 0.f;
+          row_pdp[r] = 0.f;
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s); ++c) {
             const float prob = exp2f(fmaf(s(r, c), p.scale_log2, -lse_log2[r]));
-            if constexpr (decltype(with_sink)::value) {
-              row_pdp = fmaf(prob, dp(r, c), row_pdp);
+            if constexpr (kSink || kWholeRows) {
+              row_pdp[r] = fmaf(prob, dp(r, c), row_pdp[r]);
             }
             s(r, c) = prob;
-            dp(r, c) = prob * (dp(r, c) - row_delta[r]);
+            if constexpr (!kWholeRows) {
+              dp(r, c) = prob * (dp(r, c) - row_delta[r]);
+            }
           }
-          if constexpr (decltype(with_sink)::value) {
+          if constexpr (kSink) {
             const float sink_log2 = reinterpret_cast<float const*>(p.sink)[head] * kLog2e;
-            sink_pdp = fmaf(exp2f(sink_log2 - lse_log2[r]), row_pdp, sink_pdp);
+            sink_pdp = fmaf(exp2f(sink_log2 - lse_log2[r]), row_pdp[r], sink_pdp);
+          }
+        }
+        if constexpr (kWholeRows) {
+          whole_row_deltas(row_pdp, row_delta, m_block);
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s); ++c) {
+              dp(r, c) = s(r, c) * (dp(r, c) - row_delta[r]);
+            }
           }
         }
       };
+      const bool whole_rows = n_tiles == 1;
       if (p.dsink_parts != 0) {
-        probabilities_and_ds(cute::true_type{});
+        if (whole_rows) {
+          probabilities_and_ds(cute::true_type{}, cute::true_type{});
+        } else {
+          probabilities_and_ds(cute::true_type{}, cute::false_type{});
+        }
+      } else if (whole_rows) {
+        probabilities_and_ds(cute::false_type{}, cute::true_type{});
       } else {
-        probabilities_and_ds(cute::false_type{});
+        probabilities_and_ds(cute::false_type{}, cute::false_type{});
       }
       Tensor rP = convert_fragment<Element>(acc_s);
       Tensor rdS = convert_fragment<Element>(acc_dp);
