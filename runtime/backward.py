@@ -272,21 +272,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     kernel_sink = None if sink is None else prepare_sink(sink, q)
     readers = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dlse": dlse, "bias": bias,
                "sink": sink}
-    grads = []
-    for name, buffer, like, cu in (("dq", dq, q, "cu_seqlens_q"), ("dk", dk, k, "cu_seqlens_k"),
-                                   ("dv", dv, v, "cu_seqlens_k")):
-        if buffer is None:
-            with inputs.kernel_written_allocations():
-                buffer = inputs.empty_gradient_like(like)
-            if packed is not None:
-                buffer.zero_()  # the kernels write the tokens inside sequences only
-        else:
-            _check_gradient_buffer(name, buffer, like, {**readers, **dict(zip(("dq", "dk"), grads))},
-                                   written_in_place=dims == (d_qk, d_v))
-            if packed is not None:
-                buffer.masked_fill_(~_token_rows(getattr(packed, cu), buffer), 0.0)  # tokens in no sequence
-        grads.append(buffer)
-    dq, dk, dv = grads
+    dq, dk, dv = _gradient_buffers((dq, dk, dv), (q, k, v), readers, packed, written_in_place=dims == (d_qk, d_v))
     hq = q.shape[1]
     if hq == 0 or shape.is_empty():
         # No query or no key: every gradient is zero (and possibly empty).
@@ -308,30 +294,60 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          kernel_sink, sink_parts)
     log.debug("flashkiln backward: %s, dq route %s", plan.launches[1].entry.name, plan.route)
     run(registry, target, plan.launches)
-    scratch = plan.scratch
-    parts = scratch.sink_parts
-    extra = ()
-    if closed_form_dbias:
-        per_row = (lse, scratch.delta, dlse)
-        valid = None
-        if packed is not None:
-            per_row, valid = sequence_rows(per_row, packed)
-        extra = (key_constant_gradient(kernel_bias, *per_row, kernel_sink, parts, valid),)
-    elif bias_grad:
-        extra = (bias_gradient(scratch.ds_workspace, kernel_bias),)
     if plan.dk_accum is not None:
         # GQA: sum each group's per-query-head gradients (a fixed-order, deterministic reduction).
         layout_batches, hkv = k.shape[:2]
         group = hq // hkv
         kernel_grads[1].copy_(plan.dk_accum.view(layout_batches, hkv, group, *plan.dk_accum.shape[2:]).sum(2))
         kernel_grads[2].copy_(plan.dv_accum.view(layout_batches, hkv, group, *plan.dv_accum.shape[2:]).sum(2))
-    if kernel_grads[0] is not dq:
+    if dims != (d_qk, d_v):
         for grad, kernel_grad in zip((dq, dk, dv), kernel_grads):
             grad.copy_(kernel_grad[..., :grad.shape[-1]])
-    if sink_grad:
-        rows = None if packed is None else token_mask(packed.cu_seqlens_q, shape.total_q)
-        extra += (sink_gradient(sink, parts, lse, dlse, rows),)
+    extra = _score_gradients(plan.scratch, kernel_bias if bias_grad else None, sink if sink_grad else None,
+                             kernel_sink, lse, dlse, packed, shape.total_q)
     return (*_unbatched((dq, dk, dv), packed), *extra)
+
+
+def _gradient_buffers(buffers: tuple[torch.Tensor | None, ...], likes: tuple[torch.Tensor, ...],
+                      readers: dict[str, torch.Tensor | None], packed: PackedBatch | None,
+                      written_in_place: bool) -> list[torch.Tensor]:
+    """dq, dk, dv: the caller's buffers, checked (and for a packed batch zeroed where no sequence is,
+    once every check has passed), or fresh ones with their inputs' strides."""
+    grads, given = [], []
+    for name, buffer, like, cu in zip(("dq", "dk", "dv"), buffers, likes,
+                                      ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k")):
+        if buffer is None:
+            with inputs.kernel_written_allocations():
+                buffer = inputs.empty_gradient_like(like)
+            if packed is not None:
+                buffer.zero_()  # the kernels write the tokens inside sequences only
+        else:
+            _check_gradient_buffer(name, buffer, like, {**readers, **dict(zip(("dq", "dk"), grads))},
+                                   written_in_place)
+            if packed is not None:
+                given.append((buffer, getattr(packed, cu)))
+        grads.append(buffer)
+    for buffer, cu_seqlens in given:
+        buffer.masked_fill_(~_token_rows(cu_seqlens, buffer), 0.0)
+    return grads
+
+
+def _score_gradients(scratch: BackwardScratch, bias: KernelBias | None, sink: torch.Tensor | None,
+                     kernel_sink: torch.Tensor | None, lse: torch.Tensor, dlse: torch.Tensor | None,
+                     packed: PackedBatch | None, total_q: int) -> tuple[torch.Tensor, ...]:
+    """(dbias when `bias`,) then (dsink when `sink`,) from what the kernels left in `scratch`."""
+    extra: tuple[torch.Tensor, ...] = ()
+    if bias is not None and bias.key_constant:
+        per_row, valid = (lse, scratch.delta, dlse), None
+        if packed is not None:
+            per_row, valid = sequence_rows(per_row, packed)
+        extra = (key_constant_gradient(bias, *per_row, kernel_sink, scratch.sink_parts, valid),)
+    elif bias is not None:
+        extra = (bias_gradient(scratch.ds_workspace, bias),)
+    if sink is not None:
+        rows = None if packed is None else token_mask(packed.cu_seqlens_q, total_q)
+        extra += (sink_gradient(sink, scratch.sink_parts, lse, dlse, rows),)
+    return extra
 
 
 def _token_rows(cu_seqlens: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

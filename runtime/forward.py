@@ -94,14 +94,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         # Tokens in no sequence: O = 0 and LSE = -inf, as a row that sees no key (the kernels
         # write the tokens inside sequences only). A fresh buffer is filled whole (a memset), a
         # given one where no sequence is.
-        if given["out"] is None:
-            out.zero_()
-        else:
-            out.masked_fill_(~token_mask(packed.cu_seqlens_q, q.shape[2])[None, None, :, None], 0.0)
-        if given["lse"] is None:
-            lse.fill_(float("-inf"))
-        else:
-            lse.masked_fill_(~token_mask(packed.cu_seqlens_q, q.shape[2])[None, None, :], float("-inf"))
+        outside = None
+        for buffer, caller_buffer, fill in ((out, given["out"], 0.0), (lse, given["lse"], float("-inf"))):
+            if caller_buffer is None:
+                buffer.fill_(fill)
+                continue
+            if outside is None:
+                outside = ~token_mask(packed.cu_seqlens_q, q.shape[2])
+            buffer.masked_fill_(outside.view(1, 1, -1, *(1,) * (buffer.dim() - 3)), fill)
     if out.numel() and shape.batch and shape.seqlen_q:  # (no key is for the kernel: O = 0, LSE = -inf)
         kernel_out = out
         if dims != (d_qk, d_v):  # flashkiln.head_dims: zero-padded copies, O copied back

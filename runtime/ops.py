@@ -74,9 +74,8 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias, dsink); dbias and dsink are empty tensors unless asked for."""
     dq, dk, dv, *extra = attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=_causal_arg(causal),
-                                            scale=scale,
-                                            bias=bias, bias_grad=bias_grad, sink=sink, sink_grad=sink_grad,
-                                            deterministic=deterministic,
+                                            scale=scale, bias=bias, bias_grad=bias_grad, sink=sink,
+                                            sink_grad=sink_grad, deterministic=deterministic,
                                             packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     dbias = extra.pop(0) if bias_grad else q.new_empty(0)
     dsink = extra.pop(0) if sink_grad else q.new_empty(0)

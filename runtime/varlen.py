@@ -12,9 +12,9 @@ clamp them into those bounds, so breaking this gives wrong values, never a stray
 PackedBatch.validate (varlen_attention(..., validate=True)) checks them, at the cost of a sync.
 Tokens in no sequence (before the first or past the last) get O = 0 and LSE = -inf, as a row that
 sees no key, and zero gradients, also in buffers the caller passes (out=, dq=, ...): the kernels
-write the tokens inside sequences only, and the host fills the rest. The hopper forward (its `packed: true` variants) reads
-whole key tiles, so past a sequence's end it may load tokens of the next one or of no sequence,
-but it masks their scores and zeroes their values before they are used.
+write the tokens inside sequences only, and the host fills the rest. The hopper forward (its
+`packed: true` variants) reads whole key tiles, so past a sequence's end it may load tokens of the
+next one or of no sequence, but it masks their scores and zeroes their values before they are used.
 """
 from __future__ import annotations
 

@@ -262,7 +262,8 @@ def test_output_buffers_that_overlap_or_alias_an_input_are_refused():
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=BF16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     with pytest.raises(flashkiln.InvalidInputError, match="out has overlapping elements"):
-        flashkiln.attention_forward(q, k, v, out=torch.empty(1, 2, 1, 64, device="cuda", dtype=BF16).expand(1, 2, 64, 64))
+        zero_stride = torch.empty(1, 2, 1, 64, device="cuda", dtype=BF16).expand(1, 2, 64, 64)
+        flashkiln.attention_forward(q, k, v, out=zero_stride)
     with pytest.raises(flashkiln.InvalidInputError, match="out shares memory with q"):
         flashkiln.attention_forward(q, k, v, out=q)
     with pytest.raises(flashkiln.InvalidInputError, match="out shares memory with lse"):
@@ -325,3 +326,12 @@ def test_the_route_variable_is_checked_on_an_all_empty_packed_batch(monkeypatch)
     monkeypatch.setenv(ROUTE_ENV, "atomic")
     with pytest.raises(flashkiln.InvalidInputError, match="is not deterministic"):
         flashkiln.attention_backward(out, q, q, q, out, lse, packed=packed, deterministic=True)
+
+
+def test_a_second_derivative_raises_instead_of_being_dropped():
+    """The backward op has no derivative of its own: asking for one is an error, never zeros."""
+    q = torch.randn(1, 2, 16, 64, device="cuda", dtype=BF16, requires_grad=True)
+    out = flashkiln.scaled_dot_product_attention(q, q, q)
+    (dq,) = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        dq.float().sum().backward()

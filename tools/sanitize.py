@@ -23,6 +23,7 @@ CASES = [  # (B, H_q, H_kv, S_q, S_k, d, causal, bias shape or None); racecheck 
     (2, 3, 1, 113, 200, 256, "top_left", None),
     (1, 1, 1, 1, 1, 128, None, None),
     (1, 2, 1, 200, 200, 64, "top_left", None),  # ... and at d 64 (128 query rows)
+    (1, 2, 2, 33, 40, 64, "bottom_right", (1, 2, 33, 1)),  # a key-constant bias: dBias in closed form
 ]
 # Packed batches: (query lengths, key lengths, H_q, H_kv, d, causal, bias?), with zero-length
 # sequences and a token past the last sequence.
@@ -33,13 +34,15 @@ PACKED_CASES = [
 
 
 def backward_on_every_route(out, q, k, v, lse, bias, **kwargs) -> list[torch.Tensor]:
-    """A biased backward runs the deterministic routes only (and dBias the workspace one)."""
+    """A biased backward runs the deterministic routes only (and dBias the workspace one); with the
+    LSE's gradient, and dSink where there is a sink."""
     grads = []
     for route in ROUTES if bias is None else ("ordered", "workspace"):
         with mock.patch.dict(os.environ, {ROUTE_ENV: route}):
-            grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse,
+            grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, dlse=torch.randn_like(lse),
                                                   deterministic=route != "atomic", bias=bias,
-                                                  bias_grad=bias is not None and route == "workspace", **kwargs)
+                                                  bias_grad=bias is not None and route == "workspace",
+                                                  sink_grad=kwargs.get("sink") is not None, **kwargs)
     return grads
 
 

@@ -85,7 +85,6 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
                 head_kv * p.v_head_stride;
   float const* lse = reinterpret_cast<float const*>(p.lse) + seq.q_row(p, head);
   float const* delta = reinterpret_cast<float const*>(p.delta) + seq.q_row(p, head);
-  float const* dlse = p.dlse != 0 ? reinterpret_cast<float const*>(p.dlse) + seq.q_row(p, head) : nullptr;
   Tensor gQ = gmem_tiles<kBlockM, kDimQK>(q_base, seq.seqlen_q, p.q_row_stride, _);     // (M, dqk, m)
   Tensor gdO = gmem_tiles<kBlockM, kDimV>(do_base, seq.seqlen_q, p.do_row_stride, _);   // (M, dv, m)
   Tensor gK = gmem_tiles<kBlockN, kDimQK>(k_base, seq.seqlen_k, p.k_row_stride, n_block);  // (N, dqk)
@@ -234,7 +233,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   // delta of this thread's rows as rowsum(P * dP) - dLSE, from each thread's partial row sums of a
   // tile that holds every key (a fixed-order sum: the quad's lanes, then the warps along N). The
   // partials pass through P's shared buffer, free until this step's P is stored.
-  auto whole_row_deltas = [&](auto const& partial, float (&row_delta)[decltype(size<0>(tScS))::value], int m_block) {
+  auto whole_row_deltas = [&](auto const& partial, auto& row_delta, int m_block) {
     constexpr int kWarpsN = T::kWarps / T::kWarpsSdP;
     const int warp_n = tidx / 32 / T::kWarpsSdP;  // a TiledMMA's warps run along M first
     float* row_sums = reinterpret_cast<float*>(smem_p);
@@ -257,7 +256,9 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
         total += row_sums[local * kWarpsN + w];
       }
       const int row = m_block * kBlockM + local;
-      row_delta[r] = total - (dlse != nullptr && row < seq.seqlen_q ? dlse[row] : 0.f);
+      const bool has_dlse = p.dlse != 0 && row < seq.seqlen_q;
+      const float dlse = has_dlse ? reinterpret_cast<float const*>(p.dlse)[seq.q_row(p, head) + row] : 0.f;
+      row_delta[r] = total - dlse;
     }
     __syncthreads();  // every thread has read its sums before P overwrites them
   };
@@ -266,8 +267,13 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   Tensor tDScDS = thr_store_ds.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   // dSink's exact share (BwdParams::dsink_parts): delta = rowsum(dO * O) uses the rounded O, but
-  // rowsum(P * dP) over every key is the same quantity from unrounded P and dP.
-  float sink_pdp = 0.f;
+  // rowsum(P * dP) over every key is the same quantity from unrounded P and dP. Each warp's lane 0
+  // adds its warp's share of each step into the warp's slot here (in step order: deterministic),
+  // which keeps the running sum out of the main loop's registers.
+  __shared__ float warp_sink_sums[T::kWarps];
+  if (tidx % 32 == 0) {
+    warp_sink_sums[tidx / 32] = 0.f;
+  }
 
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimQK>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kDimV>>{});
@@ -333,31 +339,48 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       // key of its rows (one key tile), delta is their rowsum(P * dP) itself, from unrounded P and
       // dP: the preprocess's rowsum(dO * O) carries the rounding of the forward's O, which
       // dominates dS = P (dP - delta) where P sits on few keys (there dP ~ delta).
-      auto probabilities_and_ds = [&](auto with_sink, auto whole_rows) {
-        constexpr bool kSink = decltype(with_sink)::value;
-        constexpr bool kWholeRows = decltype(whole_rows)::value;
-        float row_pdp[kRows];
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          row_pdp[r] = 0.f;
+      auto probabilities_and_ds = [&](auto exact_sums) {
+        if constexpr (!decltype(exact_sums)::value) {
           CUTE_UNROLL
-          for (int c = 0; c < size<1>(s); ++c) {
-            const float prob = exp2f(fmaf(s(r, c), p.scale_log2, -lse_log2[r]));
-            if constexpr (kSink || kWholeRows) {
-              row_pdp[r] = fmaf(prob, dp(r, c), row_pdp[r]);
-            }
-            s(r, c) = prob;
-            if constexpr (!kWholeRows) {
+          for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s); ++c) {
+              const float prob = exp2f(fmaf(s(r, c), p.scale_log2, -lse_log2[r]));
+              s(r, c) = prob;
               dp(r, c) = prob * (dp(r, c) - row_delta[r]);
             }
           }
-          if constexpr (kSink) {
-            const float sink_log2 = reinterpret_cast<float const*>(p.sink)[head] * kLog2e;
-            sink_pdp = fmaf(exp2f(sink_log2 - lse_log2[r]), row_pdp[r], sink_pdp);
+        } else {
+          // The rarer path (one instantiation, so that the common one keeps its registers): this
+          // thread's row sums of P * dP first, then dSink's share and the whole rows' delta.
+          float row_pdp[kRows];
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            row_pdp[r] = 0.f;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s); ++c) {
+              s(r, c) = exp2f(fmaf(s(r, c), p.scale_log2, -lse_log2[r]));
+              row_pdp[r] = fmaf(s(r, c), dp(r, c), row_pdp[r]);
+            }
           }
-        }
-        if constexpr (kWholeRows) {
-          whole_row_deltas(row_pdp, row_delta, m_block);
+          if (p.dsink_parts != 0) {
+            const float sink_log2 = reinterpret_cast<float const*>(p.sink)[head] * kLog2e;
+            float share = 0.f;
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              share = fmaf(exp2f(sink_log2 - lse_log2[r]), row_pdp[r], share);
+            }
+            CUTE_UNROLL
+            for (int offset = 16; offset > 0; offset /= 2) {
+              share += __shfl_xor_sync(0xffffffff, share, offset);
+            }
+            if (tidx % 32 == 0) {
+              warp_sink_sums[tidx / 32] += share;
+            }
+          }
+          if (n_tiles == 1) {
+            whole_row_deltas(row_pdp, row_delta, m_block);
+          }
           CUTE_UNROLL
           for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
@@ -367,17 +390,10 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
           }
         }
       };
-      const bool whole_rows = n_tiles == 1;
-      if (p.dsink_parts != 0) {
-        if (whole_rows) {
-          probabilities_and_ds(cute::true_type{}, cute::true_type{});
-        } else {
-          probabilities_and_ds(cute::true_type{}, cute::false_type{});
-        }
-      } else if (whole_rows) {
-        probabilities_and_ds(cute::false_type{}, cute::true_type{});
+      if (p.dsink_parts != 0 || n_tiles == 1) {
+        probabilities_and_ds(cute::true_type{});
       } else {
-        probabilities_and_ds(cute::false_type{}, cute::false_type{});
+        probabilities_and_ds(cute::false_type{});
       }
       Tensor rP = convert_fragment<Element>(acc_s);
       Tensor rdS = convert_fragment<Element>(acc_dp);
@@ -416,20 +432,11 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
 
   // ---- epilogue: the dSink share (a fixed-order CTA sum), dK (scaled) and dV -----------------------
   if (p.dsink_parts != 0) {
-    CUTE_UNROLL
-    for (int offset = 16; offset > 0; offset /= 2) {
-      sink_pdp += __shfl_xor_sync(0xffffffff, sink_pdp, offset);
-    }
-    float* warp_sums = reinterpret_cast<float*>(smem);  // the query ring is idle now
-    __syncthreads();
-    if (tidx % 32 == 0) {
-      warp_sums[tidx / 32] = sink_pdp;
-    }
     __syncthreads();
     if (tidx == 0) {
       float total = 0.f;
       for (int w = 0; w < T::kWarps; ++w) {
-        total += warp_sums[w];
+        total += warp_sink_sums[w];
       }
       reinterpret_cast<float*>(p.dsink_parts)[bh * gridDim.x + blockIdx.x] = total;
     }

@@ -1,0 +1,82 @@
+"""Host time per call: flashkiln beside torch SDPA's flash and cudnn backends (shared/CONVENTIONS.md).
+
+B = 1, H = 1, S = 128, d = 64, bf16: the device work is a few microseconds, so 1000 calls with one
+synchronize at the end measure what the host spends per call (Python, checks, lookups, launches).
+Rows: the forward alone and forward + backward through autograd, per family for flashkiln.
+
+Usage (on a GPU machine): tools/pyenv.sh python3 bench/host_overhead.py --out build/bench-host
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Callable
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashkiln
+from flashkiln import backends
+
+CALLS = 1000
+
+
+def per_call_us(fn: Callable[[], object], calls: int = CALLS) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("build/bench-host"))
+    parser.add_argument("--families", nargs="+", choices=["hopper", "portable"], default=["hopper", "portable"])
+    args = parser.parse_args()
+    q, k, v, dout = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def train(attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def step() -> None:
+            for t in leaves:
+                t.grad = None
+            attend(*leaves).backward(dout)
+        return step
+
+    rows = []
+    for family in args.families:
+        rows.append((f"flashkiln.attention_forward (backend={family})",
+                     per_call_us(lambda: flashkiln.attention_forward(q, k, v, backend=family))))
+        # SDPA has no backend argument: auto picks hopper on an H200; force the other family by
+        # making auto's hopper check fail.
+        forced = mock.patch.object(backends, "hopper_unsupported", lambda capability: "forced portable") \
+            if family == "portable" else contextlib.nullcontext()
+        with forced:
+            rows.append((f"flashkiln.scaled_dot_product_attention fwd + bwd ({family} forward)",
+                         per_call_us(train(flashkiln.scaled_dot_product_attention))))
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        with sdpa_kernel(backend):
+            rows.append((f"torch SDPA {name}, forward", per_call_us(lambda: F.scaled_dot_product_attention(q, k, v))))
+            rows.append((f"torch SDPA {name}, fwd + bwd", per_call_us(train(F.scaled_dot_product_attention))))
+    table = "\n".join(["| call | host µs per call |", "|---|---|"] + [f"| {n} | {us:.0f} |" for n, us in rows])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host.md").write_text(table + "\n")
+    (args.out / "host.json").write_text(json.dumps({
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": "B=1 H=1 S=128 d=64 bf16",
+        "calls": CALLS, "rows": [{"call": n, "us": us} for n, us in rows]}, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
