@@ -58,13 +58,17 @@ def visible_pairs(sq: int, sk: int, causal: bool) -> int:
     return full * (full + 1) // 2 + max(0, sq - sk) * sk
 
 
-def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+def time_ms(fn: Callable[[], object], warmup: int, reps: int, flush_l2: bool = False) -> float:
+    """Median device time of fn(); with `flush_l2`, a 256 MiB write before each timed call."""
     for _ in range(warmup):
         fn()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if flush is not None:
+            flush.zero_()
         torch.cuda._sleep(5_000_000)  # ~2.5 ms of queued work: host overhead of fn() hides behind it
         start.record()
         fn()
