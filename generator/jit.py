@@ -14,22 +14,29 @@ from pathlib import Path
 from typing import Any
 
 from flashkiln import descriptor as D
+from flashkiln.descriptor import VariantDescriptor
 
-from .build import CompileUnit, kernel_entry, make_unit
+from .build import CompileUnit, make_unit
 from .nvrtc import CompileResult, compile_cubin
 from .specs import load_variants
 from .toolchain import SPECS_DIR, toolchain
-
-__all__ = ["JitError", "compile_variant", "kernel_entry", "plan_unit"]
-
 
 class JitError(LookupError):
     """The variant cannot be compiled on demand (no spec enumerates it)."""
 
 
+def _specs_dir() -> Path:
+    return Path(os.environ.get("FLASHKILN_JIT_SPECS", SPECS_DIR))
+
+
+def spec_descriptors() -> list[VariantDescriptor]:
+    """Every variant the JIT's specs enumerate (what it can build)."""
+    return [v.descriptor for v in load_variants(_specs_dir())]
+
+
 def plan_unit(request: dict[str, Any], arch: str) -> CompileUnit:
     """The compile unit of the spec variant `request` names on `arch` (its reference tuning)."""
-    specs_dir = Path(os.environ.get("FLASHKILN_JIT_SPECS", SPECS_DIR))
+    specs_dir = _specs_dir()
     fields = {**D.with_later_defaults(request), "arch": arch}
     wanted = tuple(fields[k] for k in D.FUNCTIONAL_FIELDS)
     matches = [v for v in load_variants(specs_dir) if v.descriptor.functional_key == wanted]

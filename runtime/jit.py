@@ -3,12 +3,12 @@
 Enabled by FLASHKILN_JIT=1 (and the generator's extras: pip install 'flashkiln[generator]').
 Entries live in $FLASHKILN_CACHE_DIR, else $XDG_CACHE_HOME/flashkiln (default ~/.cache/flashkiln),
 under <flashkiln version>/<arch>/<descriptor hash>-<compile key>.{cubin,json}, where the compile
-key is the build cache's (rendered source, toolchain and flashkiln's headers, arch). The cache is safe to share
-between processes: one file lock per entry (a second process waits for the first compile),
-writes go to a temporary file then an atomic rename, the JSON (written last) carries the cubin's
-sha256 and is checked on every read, directories are created 0700, and a cache directory that is
-a symlink, owned by another user, or writable by group or others is refused with a warning (the
-process then compiles into a private temporary directory instead).
+key is the build cache's (rendered source, toolchain and flashkiln's headers, arch). The cache is
+safe to share between processes: one file lock per entry (a second process waits for the first
+compile), writes go to a temporary file then an atomic rename, the JSON (written last) carries the
+cubin's sha256 and is checked on every read, directories are created 0700, and a cache directory
+that is a symlink, owned by another user, or writable by group or others is refused with a warning
+(the process then compiles into a private temporary directory instead).
 """
 from __future__ import annotations
 
@@ -130,6 +130,7 @@ class JitCache:
             from filelock import FileLock
 
             from .generator import jit as generator_jit
+            from .generator.build import kernel_entry
         except ImportError as exc:
             raise JitUnavailableError(f"{JIT_ENV} is set but the generator's dependencies are missing ({exc}): "
                                       "pip install 'flashkiln[generator]'") from None
@@ -142,7 +143,7 @@ class JitCache:
             if entry is not None:
                 return entry
             result = generator_jit.compile_variant(unit)
-            entry = dataclasses.replace(generator_jit.kernel_entry(unit.variants[0], result, str(cubin_path)),
+            entry = dataclasses.replace(kernel_entry(unit.variants[0], result, str(cubin_path)),
                                         spec=f"jit ({unit.variants[0].spec_file})")
             # The JSON goes last: an entry exists once its JSON names the cubin's hash.
             atomic_write(cubin_path, result.cubin)

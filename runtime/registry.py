@@ -143,13 +143,19 @@ class KernelRegistry:
         raise VariantNotFoundError(self._not_found_message(wanted))
 
     def head_dims(self, kernel: str, dtype: str, capability: tuple[int, int]) -> frozenset[tuple[int, int]]:
-        """The (d_qk, d_v) pairs the manifest has `kernel` for in `dtype`, on archs that run on `capability`."""
+        """The (d_qk, d_v) pairs there are `kernel`s for in `dtype`, on archs that run on `capability`:
+        in the manifest, and with JIT those the JIT's specs enumerate too."""
         key = (kernel, dtype, capability)
         if key not in self._head_dims:
             archs = {a.name for a in arch_preference(capability)}
+            descriptors = [e.descriptor for e in self.manifest.kernels]
+            if self.jit_cache is not None:
+                from .generator.jit import spec_descriptors
+
+                descriptors += [d.as_dict() for d in spec_descriptors()]
             self._head_dims[key] = frozenset(
-                (e.descriptor["d_qk"], e.descriptor["d_v"]) for e in self.manifest.kernels
-                if e.descriptor["kernel"] == kernel and e.descriptor["dtype"] == dtype and e.arch in archs)
+                (d["d_qk"], d["d_v"]) for d in descriptors
+                if d["kernel"] == kernel and d["dtype"] == dtype and d["arch"] in archs)
         return self._head_dims[key]
 
     def has(self, request: dict[str, Any], capability: tuple[int, int]) -> bool:

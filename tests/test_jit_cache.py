@@ -232,3 +232,10 @@ def test_the_jit_builds_every_group_of_the_default_specs(tmp_path, request_arch,
     registry.load(entry, 0, ARCHS[arch].capability)
     (_, image), = registry.driver.named("load_library")
     assert image == Path(entry.cubin).read_bytes()
+
+
+def test_with_jit_the_head_dims_are_those_its_specs_enumerate(tmp_path, jit_specs):
+    """A registry with no manifest but JIT runs (and pads to) the head dims the specs can build."""
+    registry = KernelRegistry(tmp_path / "none", driver=FakeDriver(), jit_cache=JitCache(tmp_path / "jit"))
+    assert registry.head_dims("fwd", "bf16", (9, 0)) == frozenset({(32, 32)})
+    assert registry.head_dims("bwd", "bf16", (9, 0)) == frozenset()
