@@ -7,6 +7,7 @@ class with a fake that records the calls.
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any, Protocol
 
 from .errors import CudaError
@@ -20,6 +21,8 @@ class Driver(Protocol):
     def get_kernel(self, library: Any, symbol: str) -> Any: ...
 
     def set_max_dynamic_smem(self, kernel: Any, nbytes: int, device: int) -> None: ...
+
+    def bind_context(self, device: int) -> None: ...
 
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None: ...
@@ -44,6 +47,7 @@ class CudaDriver:
         from cuda.bindings import driver as cu
 
         self._cu = cu
+        self._threads = threading.local()
         _check(cu.cuInit(0), "cuInit")
 
     def version(self) -> int:
@@ -60,6 +64,19 @@ class CudaDriver:
         attr = self._cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(self._cu.cuKernelSetAttribute(attr, nbytes, kernel, self._cu.CUdevice(device)),
                f"cuKernelSetAttribute(max dynamic shared memory = {nbytes})")
+
+    def bind_context(self, device: int) -> None:
+        """Make `device`'s primary context (torch's) current on this thread if none is. A thread on
+        which torch made no runtime call that binds one (autograd's device threads, say: torch skips
+        cudaSetDevice when the device is already the current one) has none, and a driver launch there
+        fails with CUDA_ERROR_INVALID_CONTEXT. Checked once per thread and device."""
+        bound = self._threads.__dict__.setdefault("bound", set())
+        if device in bound:
+            return
+        if int(_check(self._cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
+            primary = _check(self._cu.cuDevicePrimaryCtxRetain(self._cu.CUdevice(device)), "cuDevicePrimaryCtxRetain")
+            _check(self._cu.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+        bound.add(device)
 
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None:

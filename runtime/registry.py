@@ -267,6 +267,7 @@ class KernelRegistry:
     def launch(self, entry: KernelEntry, device: int, capability: tuple[int, int], grid: tuple[int, int, int],
                params: ctypes.Structure, stream: int) -> None:
         kernel = self.load(entry, device, capability)
+        self.driver.bind_context(device)
         self.driver.launch(kernel.handle, grid, (entry.threads, 1, 1), entry.smem_bytes, stream, params)
 
 

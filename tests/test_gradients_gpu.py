@@ -4,6 +4,7 @@ and the contracts on output buffers and packed tokens in no sequence."""
 from __future__ import annotations
 
 import itertools
+import threading
 from functools import partial
 
 import pytest
@@ -335,3 +336,43 @@ def test_a_second_derivative_raises_instead_of_being_dropped():
     (dq,) = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError):
         dq.float().sum().backward()
+
+
+class _RawCalls(torch.autograd.Function):
+    """The raw functions in a user's autograd.Function, as a ring-attention implementation wraps them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = flashkiln.attention_forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return flashkiln.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+
+
+def test_launches_from_threads_torch_bound_no_cuda_context_to():
+    """autograd runs a backward on its device thread, and torch binds no CUDA context to a thread
+    whose device is already current: a raw call there must still launch (not CUDA_ERROR_INVALID_CONTEXT)."""
+    q, k, v, dout = (torch.randn(1, 2, 128, 64, device="cuda", dtype=BF16) for _ in range(4))
+    out, lse = flashkiln.attention_forward(q, k, v)
+    expected = flashkiln.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+    results = {}
+
+    def work():
+        try:
+            results["grads"] = flashkiln.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 (reported below, on the test's thread)
+            results["error"] = exc
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert "error" not in results, repr(results.get("error"))
+    assert all(torch.equal(a, b) for a, b in zip(results["grads"], expected))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    _RawCalls.apply(*leaves).backward(dout)
+    assert all(torch.equal(t.grad, g) for t, g in zip(leaves, expected))

@@ -37,6 +37,9 @@ class FakeDriver:
     def set_max_dynamic_smem(self, kernel, nbytes: int, device: int) -> None:
         self.calls.append(("set_max_dynamic_smem", kernel, nbytes, device))
 
+    def bind_context(self, device: int) -> None:
+        pass  # a CPU test has no context to bind
+
     def launch(self, kernel, grid, block, smem_bytes, stream, params) -> None:
         self.calls.append(("launch", kernel, grid, block, smem_bytes, stream, params))
 
