@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,26 +24,44 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkiln
-from flashkiln import backends
+from flashkiln import backward, families, forward
 
 CALLS = 1000
+
+
+REPEATS = 5  # the median of this many loops of CALLS calls (the host's timings drift between loops)
 
 
 def per_call_us(fn: Callable[[], object], calls: int = CALLS) -> float:
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    loops = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(loops)
+
+
+class _AllocateOnly(torch.autograd.Function):
+    """The floor of any Python autograd.Function here: its forward only allocates the output."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, dout, dout
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("build/bench-host"))
-    parser.add_argument("--families", nargs="+", choices=["hopper", "portable"], default=["hopper", "portable"])
+    parser.add_argument("--families", nargs="+", choices=list(families.BACKENDS), default=list(families.BACKENDS))
     args = parser.parse_args()
     q, k, v, dout = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -54,16 +74,25 @@ def main() -> None:
         return step
 
     rows = []
+    out, lse = flashkiln.attention_forward(q, k, v)
     for family in args.families:
         rows.append((f"flashkiln.attention_forward (backend={family})",
                      per_call_us(lambda: flashkiln.attention_forward(q, k, v, backend=family))))
         # SDPA has no backend argument: auto picks hopper on an H200; force the other family by
-        # making auto's hopper check fail.
-        forced = mock.patch.object(backends, "hopper_unsupported", lambda capability: "forced portable") \
-            if family == "portable" else contextlib.nullcontext()
+        # making the hopper family refuse the GPU (and plan afresh).
+        refuse = dataclasses.replace(families.FAMILIES["hopper"], runs_on=lambda capability: "forced portable")
+        forced = mock.patch.dict(families.FAMILIES, {"hopper": refuse}) if family == "portable" \
+            else contextlib.nullcontext()
+        forward.PLANS.clear()
         with forced:
             rows.append((f"flashkiln.scaled_dot_product_attention fwd + bwd ({family} forward)",
                          per_call_us(train(flashkiln.scaled_dot_product_attention))))
+        forward.PLANS.clear()
+    rows.append(("flashkiln.attention_backward (portable)",
+                 per_call_us(lambda: flashkiln.attention_backward(dout, q, k, v, out, lse))))
+    backward.PLANS.clear()
+    rows.append(("floor: a Python autograd.Function that only allocates, fwd + bwd",
+                 per_call_us(train(_AllocateOnly.apply))))
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         with sdpa_kernel(backend):
             rows.append((f"torch SDPA {name}, forward", per_call_us(lambda: F.scaled_dot_product_attention(q, k, v))))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import flashkiln
+from flashkiln.version import __version__
 from flashkiln.manifest import MANIFEST_NAME, KernelEntry, Manifest
 from flashkiln.params import params_layout
 
@@ -188,7 +188,7 @@ def build_identity(specs_dir: Path) -> dict:
     """What a build's cubins are a function of: versions, toolchain and specs."""
     tc = toolchain()
     return {
-        "flashkiln_version": flashkiln.__version__,
+        "flashkiln_version": __version__,
         "generator_version": GENERATOR_VERSION,
         "cuda_flavor": tc.cuda_flavor,
         "toolchain": tc.versions,

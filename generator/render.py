@@ -1,6 +1,6 @@
 """Render translation units from Jinja templates (StrictUndefined).
 
-Variants that differ only in the fields a family marks as per-entry (element type, masking, ...)
+Variants that differ only in per-entry axes (descriptor.AXES: element type, masking, ...)
 are rendered into one unit with one entry point each: they share almost every template
 instantiation, which makes compiling them together several times cheaper than one by one.
 """
@@ -10,15 +10,13 @@ import functools
 
 import jinja2
 
-from flashkiln.descriptor import VariantDescriptor
+from flashkiln.descriptor import PER_ENTRY_FIELDS, VariantDescriptor
 from flashkiln.params import params_layout
 
 from . import GENERATOR_VERSION
+from .abi_constants import abi_constants
 from .families import FAMILIES
 from .toolchain import TEMPLATES_DIR
-
-# Fields that may differ between the variants of one compile unit.
-PER_ENTRY_FIELDS = ("dtype", "causal", "bias", "deterministic", "packed")
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,6 +55,7 @@ def unit_context(descriptors: list[VariantDescriptor]) -> dict:
         "kernel": first.kernel,
         "arch": first.arch,
         "params": params_layout(first.kernel, first.family),
+        "constants": abi_constants(first.family, first.kernel, first.arch),
         "generator_version": GENERATOR_VERSION,
         "variants": [variant_context(d) for d in descriptors],
     }

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flashkiln import descriptor as D
-from flashkiln.archs import ARCHS
 from flashkiln.descriptor import VariantDescriptor
 
 from . import located_yaml
@@ -51,19 +50,11 @@ from .families import FAMILIES
 from .located_yaml import LocatedDict, LocatedList, Where, YamlSyntaxError
 
 SPEC_KEYS = ("family", "tuning", "variants", "exclude")
-AXES = ("kernel", "arch", "dtype", "head_dims", "causal", "bias", "deterministic", "packed")
-REQUIRED_AXES = ("kernel", "arch", "dtype", "head_dims", "causal")
-AXIS_DEFAULTS = {"bias": ["none"], "deterministic": [False], "packed": [False]}
-AXIS_DOMAINS: dict[str, tuple] = {
-    "kernel": D.KERNELS,
-    "arch": tuple(ARCHS),
-    "dtype": D.DTYPES,
-    "causal": D.CAUSAL_MODES,
-    "bias": D.BIAS_MODES,
-    "deterministic": (False, True),
-    "packed": (False, True),
-}
-
+# A group's axes, from the descriptor's table (d_qk and d_v share head_dims; the family is the file's).
+AXES = tuple(dict.fromkeys(a.spec_key for a in D.AXES if a.spec_key))
+REQUIRED_AXES = tuple(dict.fromkeys(a.spec_key for a in D.AXES if a.spec_key and a.spec_required))
+AXIS_DEFAULTS = {a.spec_key: [a.default] for a in D.AXES if a.spec_key and not a.spec_required}
+AXIS_DOMAINS: dict[str, tuple] = {a.spec_key: a.domain for a in D.AXES if a.spec_key and a.spec_key != "head_dims"}
 
 @dataclass(frozen=True)
 class SpecIssue:
@@ -143,7 +134,7 @@ def _axis_values(group: LocatedDict, axis: str, context: str, out: _Collector) -
             dims = _parse_head_dims(value)
             if dims is None:
                 out.add(where, f"{context}{axis}", f"{value!r}: expected d or [d_qk, d_v]")
-            elif any(d not in D.HEAD_DIMS for d in dims):
+            elif any(d not in D.AXIS["d_qk"].domain or d not in D.AXIS["d_v"].domain for d in dims):
                 out.add(where, f"{context}{axis}",
                         f"{value!r}: unsupported head dim (supported: {', '.join(map(str, D.HEAD_DIMS))})")
             else:

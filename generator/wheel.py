@@ -15,7 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-import flashkiln
+from flashkiln.version import __version__
 
 from .build import DEFAULT_CACHE_DIR, Selection, generate
 from .toolchain import REPO_ROOT, TEMPLATES_DIR, toolchain
@@ -49,7 +49,7 @@ build-backend = "setuptools.build_meta"
 
 [project]
 name = "flashkiln"
-version = "{flashkiln.__version__}+{flavor}"
+version = "{__version__}+{flavor}"
 description = "flashkiln runtime with precompiled attention kernels ({flavor})"
 requires-python = ">=3.11"
 dependencies = ["torch>=2.4", "{_BINDINGS[flavor]}"]
@@ -58,7 +58,7 @@ dependencies = ["torch>=2.4", "{_BINDINGS[flavor]}"]
 generator = [{quoted(_source_extra(flavor))}]
 
 [tool.setuptools]
-packages = ["flashkiln", "flashkiln.generator"]
+packages = ["flashkiln", "flashkiln.generator", "flashkiln.generator.families"]
 include-package-data = false
 
 [tool.setuptools.package-data]
@@ -96,8 +96,8 @@ def build_wheel(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or
                                  "--wheel-dir", str(out_dir), str(stage)], capture_output=True, text=True)
         if result.returncode:
             raise WheelError(f"pip wheel failed:\n{result.stdout}\n{result.stderr}")
-    built = sorted(set(out_dir.glob(f"flashkiln-{flashkiln.__version__}+{flavor}-*.whl")) - before) or \
-        sorted(out_dir.glob(f"flashkiln-{flashkiln.__version__}+{flavor}-*.whl"))
+    built = sorted(set(out_dir.glob(f"flashkiln-{__version__}+{flavor}-*.whl")) - before) or \
+        sorted(out_dir.glob(f"flashkiln-{__version__}+{flavor}-*.whl"))
     wheel = built[-1]
     report = WheelReport(wheel, wheel.stat().st_size, per_arch)
     print(f"built {wheel} ({report.bytes / 2**20:.1f} MiB compressed; cubins per arch: "

@@ -1,6 +1,5 @@
 """flashkiln: ahead-of-time generated fused attention kernels for NVIDIA GPUs."""
-__version__ = "0.1.0"  # before the imports: submodules import it
-
+from .version import __version__  # noqa: F401 (the package's version)
 from .forward import attention_forward
 from .backward import attention_backward
 from .descriptor import VariantDescriptor

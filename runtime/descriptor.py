@@ -11,29 +11,89 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .archs import ARCHS
 
 # Bump when the meaning of a field changes without its value changing: every hash moves.
 SCHEMA_VERSION = 1
 
-# Value domains of the functional axes: what the templates implement today. Specs are
-# validated against these; a value outside them is an error naming the allowed ones.
-KERNELS = ("fwd", "bwd_pre", "bwd", "bwd_post", "bwd_dq")
-FAMILIES = ("portable", "hopper")
-DTYPES = ("fp16", "bf16")
-CAUSAL_MODES = ("none", "top_left", "bottom_right")
-BIAS_MODES = ("none", "additive")
-HEAD_DIMS = tuple(range(32, 257, 32))
+_REQUIRED = object()  # an axis with no default: every spec group and request names it
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One functional axis: what a kernel computes. The spec loader, the renderer, the runtime's
+    requests and the registry's hints all derive from AXES; templates read the values."""
+
+    name: str
+    domain: tuple  # the values the templates implement; specs and descriptors are checked against it
+    default: Any = _REQUIRED  # a request's value when it leaves the axis out
+    # Added after the first release: the canonical form leaves it out at its default, so the
+    # variants that existed before keep their hashes.
+    omit_at_default: bool = False
+    # Variants that differ only in per-entry axes share a compile unit (one entry point each):
+    # they share almost every template instantiation.
+    per_entry: bool = False
+    # Its part of the readable name ("" for none); the head dims are tagged as a pair.
+    tag: Callable[[Any], str] = str
+    # The key that lists it in a spec group: None for the family (the spec file's own key);
+    # d_qk and d_v are listed together as head_dims.
+    spec_key: str | None = None
+    spec_required: bool = True  # a spec group must list it (else it takes [default])
+
+
+def _flag_tag(tag: str) -> Callable[[bool], str]:
+    return lambda on: tag if on else ""
+
 
 _CAUSAL_TAGS = {"none": "", "top_left": "causal-tl", "bottom_right": "causal-br"}
-# Fields added after the first release, with the default that leaves them out of the hash.
-ADDED_LATER = {"packed": False}
+HEAD_DIMS = tuple(range(32, 257, 32))
 
-FUNCTIONAL_FIELDS = ("kernel", "family", "arch", "dtype", "d_qk", "d_v", "causal", "bias", "deterministic",
-                     "packed")
+AXES: tuple[Axis, ...] = (
+    Axis("kernel", ("fwd", "bwd_pre", "bwd", "bwd_post", "bwd_dq"), spec_key="kernel"),
+    Axis("family", ("portable", "hopper")),
+    Axis("arch", tuple(ARCHS), tag=lambda arch: arch.replace("_", ""), spec_key="arch"),
+    Axis("dtype", ("fp16", "bf16"), per_entry=True, spec_key="dtype"),
+    Axis("d_qk", HEAD_DIMS, tag=lambda d: f"d{d}", spec_key="head_dims"),
+    Axis("d_v", HEAD_DIMS, tag=lambda d: "", spec_key="head_dims"),  # tagged with d_qk: d_name()
+    Axis("causal", ("none", "top_left", "bottom_right"), default="none", per_entry=True, tag=_CAUSAL_TAGS.get,
+         spec_key="causal"),
+    Axis("bias", ("none", "additive"), default="none", per_entry=True,
+         tag=lambda mode: "" if mode == "none" else f"bias-{mode}", spec_key="bias", spec_required=False),
+    Axis("deterministic", (False, True), default=False, per_entry=True, tag=_flag_tag("det"),
+         spec_key="deterministic", spec_required=False),
+    # A kernel compiled for packed variable-length batches only (the hopper family's; portable
+    # kernels read the sequence bounds at run time, so their packed=false kernels take both).
+    Axis("packed", (False, True), default=False, omit_at_default=True, per_entry=True, tag=_flag_tag("packed"),
+         spec_key="packed", spec_required=False),
+)
+AXIS = {a.name: a for a in AXES}
+FUNCTIONAL_FIELDS = tuple(a.name for a in AXES)
 PERFORMANCE_FIELDS = ("tile_m", "tile_n", "warps", "stages")
+PER_ENTRY_FIELDS = tuple(a.name for a in AXES if a.per_entry)
+# Fields added after the first release, with the default that leaves them out of the hash.
+ADDED_LATER = {a.name: a.default for a in AXES if a.omit_at_default}
+# The domains under their usual names.
+KERNELS, FAMILIES, DTYPES = AXIS["kernel"].domain, AXIS["family"].domain, AXIS["dtype"].domain
+CAUSAL_MODES, BIAS_MODES = AXIS["causal"].domain, AXIS["bias"].domain
+
+
+def dims_tag(d_qk: int, d_v: int) -> str:
+    """The head dims' part of a name: d128, or d192x128 when they differ."""
+    return f"d{d_qk}" if d_qk == d_v else f"d{d_qk}x{d_v}"
+
+
+def request(**fields: Any) -> dict[str, Any]:
+    """A functional request (every axis but arch) with the table's defaults where `fields` lacks
+    them; KeyError for an axis that has no default or a name that is no axis."""
+    unknown = fields.keys() - AXIS.keys()
+    if unknown:
+        raise KeyError(f"not functional axes: {sorted(unknown)}")
+    missing = [a.name for a in AXES if a.name not in fields and a.name != "arch" and a.default is _REQUIRED]
+    if missing:
+        raise KeyError(f"a request needs {', '.join(missing)}")
+    return {a.name: fields.get(a.name, a.default) for a in AXES if a.name != "arch"}
 
 
 @dataclass(frozen=True)
@@ -53,9 +113,8 @@ class VariantDescriptor:
     tile_n: int
     warps: int
     stages: int
-    # functional, added later (defaults keep older manifests and names valid): a kernel compiled
-    # for packed variable-length batches only (the hopper family's; portable kernels read the
-    # sequence bounds at run time, so their packed=false kernels take both).
+    # functional, added later (AXES: omit_at_default), so with the default that keeps older
+    # manifests and names valid
     packed: bool = False
 
     def __post_init__(self) -> None:
@@ -80,16 +139,9 @@ class VariantDescriptor:
     @property
     def name(self) -> str:
         """Readable and unique, e.g. fwd_portable_sm90a_bf16_d128_causal-br_1a2b3c4d."""
-        dims = f"d{self.d_qk}" if self.d_qk == self.d_v else f"d{self.d_qk}x{self.d_v}"
-        parts = [self.kernel, self.family, self.arch.replace("_", ""), self.dtype, dims]
-        parts += [t for t in (_CAUSAL_TAGS[self.causal],) if t]
-        if self.bias != "none":
-            parts.append(f"bias-{self.bias}")
-        if self.deterministic:
-            parts.append("det")
-        if self.packed:
-            parts.append("packed")
-        return "_".join(parts + [self.hash[:8]])
+        fields = self.as_dict()
+        tags = [dims_tag(self.d_qk, self.d_v) if a.name == "d_qk" else a.tag(fields[a.name]) for a in AXES]
+        return "_".join([t for t in tags if t] + [self.hash[:8]])
 
     @property
     def symbol(self) -> str:
@@ -120,21 +172,9 @@ def with_later_defaults(fields: dict[str, Any]) -> dict[str, Any]:
 
 def validation_errors(fields: dict[str, Any]) -> list[str]:
     """Every way `fields` falls outside the functional domains (empty when valid)."""
-    domains = {
-        "kernel": KERNELS,
-        "family": FAMILIES,
-        "arch": tuple(ARCHS),
-        "dtype": DTYPES,
-        "d_qk": HEAD_DIMS,
-        "d_v": HEAD_DIMS,
-        "causal": CAUSAL_MODES,
-        "bias": BIAS_MODES,
-        "deterministic": (False, True),
-        "packed": (False, True),
-    }
     errors = []
-    for key, allowed in domains.items():
-        value = fields.get(key)
+    for axis in AXES:
+        key, allowed, value = axis.name, axis.domain, fields.get(axis.name)
         # Exact types: True must not pass as a head dim, 1 as a flag, nor 128.0 as 128.
         if type(value) is not type(allowed[0]) or value not in allowed:
             errors.append(f"{key}={value!r} is not supported (supported: {', '.join(map(str, allowed))})")

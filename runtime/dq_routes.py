@@ -21,6 +21,11 @@ WORKSPACE_BUDGET_ENV = "FLASHKILN_BACKWARD_WORKSPACE_MIB"
 DEFAULT_BUDGET_FRACTION = 16
 
 
+def settings() -> tuple[str | None, str | None]:
+    """The environment's route settings, as read by forced_route and workspace_budget_bytes."""
+    return os.environ.get(ROUTE_ENV), os.environ.get(WORKSPACE_BUDGET_ENV)
+
+
 def workspace_budget_bytes(device_memory: int) -> int:
     """$FLASHKILN_BACKWARD_WORKSPACE_MIB in bytes, or 1/16 of `device_memory`."""
     raw = os.environ.get(WORKSPACE_BUDGET_ENV)

@@ -24,6 +24,8 @@ class Driver(Protocol):
 
     def bind_context(self, device: int) -> None: ...
 
+    def replace_tensor_map_address(self, tensor_map: int, address: int) -> None: ...
+
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None: ...
 
@@ -48,6 +50,7 @@ class CudaDriver:
 
         self._cu = cu
         self._threads = threading.local()
+        self._functions: dict[int, Any] = {}  # CUkernel address -> the CUfunction cuLaunchKernel takes
         _check(cu.cuInit(0), "cuInit")
 
     def version(self) -> int:
@@ -78,9 +81,19 @@ class CudaDriver:
             _check(self._cu.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
         bound.add(device)
 
+    def replace_tensor_map_address(self, tensor_map: int, address: int) -> None:
+        """Point the 128-byte CUtensorMap at host address `tensor_map` (inside a parameter block) at
+        `address`, keeping its shape, strides and box: cheaper than encoding it anew."""
+        _check(self._cu.cuTensorMapReplaceAddress(self._cu.CUtensorMap(_ptr=tensor_map), address),
+               "cuTensorMapReplaceAddress")
+
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None:
         # One by-value struct argument: kernelParams[0] points at its bytes.
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        _check(self._cu.cuLaunchKernel(self._cu.CUfunction(int(kernel)), *grid, *block, smem_bytes,
-                                       self._cu.CUstream(stream), ctypes.addressof(args), 0), "cuLaunchKernel")
+        address = int(kernel)
+        function = self._functions.get(address)
+        if function is None:
+            function = self._functions[address] = self._cu.CUfunction(address)
+        _check(self._cu.cuLaunchKernel(function, *grid, *block, smem_bytes, self._cu.CUstream(stream),
+                                       ctypes.addressof(args), 0), "cuLaunchKernel")

@@ -1,41 +1,137 @@
-"""The attention forward: checks, kernel choice, launch."""
+"""The attention forward: checks and planning (cached per call key), then the plan's run."""
 from __future__ import annotations
 
-import math
+import logging
+from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 
-from . import inputs
-from .backends import check_backend
-from .bias import KernelBias, prepare_bias
+from . import families, inputs
+from .bias import prepare_bias
+from .calls import ForwardCall, forward_tensors
 from .head_dims import kernel_dims, padded
-from .hopper_forward import plan_if_hopper
-from .launch import KernelLaunch, Target, ceil_div, request, run
-from .params import FwdParams
+from .launch import CallPlan, Target, allocate_all, load_kernels, run
+from .plan_cache import PlanCache, packed_key, storage_key, tensor_key
 from .registry import KernelRegistry, default_registry
 from .sinks import prepare_sink
 from .varlen import TOKENS, BatchShape, PackedBatch, as_batched, as_tokens, batched_view, check_packed, token_mask
 
+log = logging.getLogger("flashkiln")
+PLANS = PlanCache()
 
-def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 causal: str, scale: float, bias: KernelBias | None, capability: tuple[int, int],
-                 registry: KernelRegistry, sink: torch.Tensor | None = None,
-                 packed: PackedBatch | None = None) -> KernelLaunch:
-    """Choose the kernel and pack its parameters; q, k, v, out, lse and bias are already checked
-    (for a packed batch: their (1, H, total, d) views)."""
-    _, hq, _, dqk = q.shape
-    _, hkv, _, dv = v.shape
+
+@dataclass(frozen=True)
+class ForwardPlan(CallPlan):
+    """A forward call's plan (family None: no query row)."""
+
+    copies: tuple[bool, bool, bool]  # q, k, v need a copy in the kernels' layout
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+            sink: torch.Tensor | None, packed: PackedBatch | None, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's outputs; its arguments passed the checks its plan was made with."""
+        if packed is not None:
+            q, k, v = as_batched(q), as_batched(k), as_batched(v)
+            out = None if out is None else as_batched(out)
+            lse = None if lse is None else as_batched(lse)
+        b, hq, sq, _ = q.shape
+        d_v = v.shape[3]
+        given_out, given_lse = out, lse
+        if out is None:
+            out = inputs.empty_in_memory_order(q, d_v)
+        if lse is None:
+            lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+        if packed is not None:
+            _fill_outside_sequences(packed, sq, (out, given_out, 0.0), (lse, given_lse, float("-inf")))
+        if self.family is not None:
+            kernel_out = out
+            if self.dims != (q.shape[3], d_v):  # flashkiln.head_dims: zero-padded copies, O copied back
+                q, k, v = padded(q, self.dims[0]), padded(k, self.dims[0]), padded(v, self.dims[1])
+                kernel_out = (torch.zeros if packed is not None else torch.empty)((b, hq, sq, self.dims[1]),
+                                                                                  dtype=q.dtype, device=q.device)
+            if any(self.copies):
+                q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
+            kernel_bias = None if bias is None else prepare_bias(bias, self.scores, q).tensor
+            kernel_sink = None if sink is None else prepare_sink(sink, q)
+            tensors = forward_tensors(q, k, v, kernel_out, lse, kernel_bias, kernel_sink, packed)
+            if self.scratch:
+                tensors.update(allocate_all(self.scratch, q.device))
+            run(self.registry, self.target, self.launches, tensors, self.kernels)
+            if kernel_out is not out:
+                out.copy_(kernel_out[..., :d_v])
+        if packed is not None:
+            out, lse = as_tokens(out), as_tokens(lse)
+        return out, lse
+
+
+def _fill_outside_sequences(packed: PackedBatch, total_q: int, *fills: tuple) -> None:
+    """Tokens in no sequence: O = 0 and LSE = -inf, as a row that sees no key (the kernels write
+    the tokens inside sequences only). A fresh buffer is filled whole (a memset), a given one
+    where no sequence is."""
+    outside = None
+    for buffer, caller_buffer, value in fills:
+        if caller_buffer is None:
+            buffer.fill_(value)
+            continue
+        if outside is None:
+            outside = ~token_mask(packed.cu_seqlens_q, total_q)
+        buffer.masked_fill_(outside.view(1, 1, -1, *(1,) * (buffer.dim() - 3)), value)
+
+
+def _key(q, k, v, causal, scale, bias, sink, packed, registry, backend) -> Hashable | None:
+    """The plan-cache key of a call (flashkiln.plan_cache), or None for one planned every time."""
+    if bias is not None and bias.dtype == torch.bool:
+        return None  # converted to an additive bias on every call
+    return (tensor_key(q), tensor_key(k), tensor_key(v), causal, type(scale), scale,
+            None if bias is None else storage_key(bias), tensor_key(sink), packed_key(packed), registry, backend)
+
+
+def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None, scale: float | None,
+                 bias: torch.Tensor | None, sink: torch.Tensor | None, packed: PackedBatch | None,
+                 out: torch.Tensor | None, lse: torch.Tensor | None, registry: KernelRegistry | None,
+                 backend: str | None) -> ForwardPlan:
+    """Every check of a forward call, in order, then its plan (attention_forward's arguments)."""
+    families.check_backend(backend)
+    if packed is not None:
+        check_packed(q, k, v, packed)
+        out = None if out is None else batched_view("out", out, TOKENS)
+        lse = None if lse is None else batched_view("lse", lse, "(H_q, total_q)")
+        q, k, v = (as_batched(t) for t in (q, k, v))
+    inputs.check_qkv(q, k, v)
     shape = BatchShape.of(q, k, packed)
-    entry = registry.find(request("fwd", inputs.DTYPES[q.dtype], dqk, dv, causal, bias=bias is not None),
-                          capability)
-    params = FwdParams(
-        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(), lse=lse.data_ptr(),
-        bias=0 if bias is None else bias.tensor.data_ptr(), sink=0 if sink is None else sink.data_ptr(),
-        **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
-        **inputs.stride_fields("o", out), **(bias.stride_fields() if bias is not None else {}),
-        heads_q=hq, heads_kv=hkv, **shape.params(), scale=scale, scale_log2=scale * math.log2(math.e),
-    )
-    return KernelLaunch(entry, (ceil_div(shape.seqlen_q, entry.descriptor["tile_m"]), hq, shape.batch), params)
+    causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
+    scores = shape.scores(q.shape[1])
+    kernel_bias = None if bias is None else prepare_bias(bias, scores, q)
+    kernel_sink = None if sink is None else prepare_sink(sink, q)
+    if q.device.type != "cuda":
+        inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
+    registry = registry or default_registry()
+    target = Target.of(q)
+    d_qk, d_v = q.shape[3], v.shape[3]
+    dims = kernel_dims(d_qk, d_v, registry.head_dims("fwd", inputs.DTYPES[q.dtype], target.capability), "forward")
+    given = {"out": out, "lse": lse}
+    out = inputs.empty_in_memory_order(q, d_v) if out is None else out
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
+    inputs.check_forward_outputs(q, out, lse, d_v, written_in_place=dims == (d_qk, d_v))
+    readers = {"q": q, "k": k, "v": v, "bias": bias, "sink": sink}
+    for name, buffer in given.items():
+        if buffer is not None:
+            inputs.check_output_buffer(name, buffer, {**readers, **{n: b for n, b in given.items() if n != name}})
+    plan = dict(registry=registry, target=target, causal=causal_mode, scale=scale, scores=scores, dims=dims)
+    if not (out.numel() and shape.batch and shape.seqlen_q):  # (no key is for the kernel: O = 0, LSE = -inf)
+        return ForwardPlan(family=None, launches=(), scratch=(), kernels=(), copies=(False,) * 3, **plan)
+    if dims != (d_qk, d_v):
+        q, k, v = padded(q, dims[0]), padded(k, dims[0]), padded(v, dims[1])
+        out = torch.empty((*q.shape[:3], dims[1]), dtype=q.dtype, device=q.device)
+    kernel_qkv = tuple(inputs.kernel_layout(t) for t in (q, k, v))
+    copies = tuple(kt is not t for kt, t in zip(kernel_qkv, (q, k, v)))
+    q, k, v = kernel_qkv
+    call = ForwardCall(q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed)
+    family, launches, scratch = families.plan("forward", call, backend, target, registry, q.device)
+    log.debug("flashkiln forward: %s family, %s", family, launches[0].entry.name)
+    return ForwardPlan(family=family, launches=tuple(launches), scratch=tuple(scratch.specs),
+                       kernels=load_kernels(registry, target, tuple(launches)), copies=copies, **plan)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,
@@ -57,65 +153,25 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     log; -inf for a query that sees no key, whose output row is 0). `out` and `lse` may be given
     preallocated. backend: "hopper" (the sm_90a TMA/wgmma family; raises UnsupportedError or
     VariantNotFoundError for what it cannot run), "portable", or None: hopper where it can run the
-    call, portable otherwise (flashkiln.backends). No autograd here: see
+    call, portable otherwise (flashkiln.families). No autograd here: see
     flashkiln.scaled_dot_product_attention.
 
     packed: a packed variable-length batch (flashkiln.varlen): q (total_q, H_q, d_qk), k and v
     (total_k, H_kv, d), out (total_q, H_q, d_v) and lse (H_q, total_q); causal masks and a bias
     (broadcastable to (B, H_q, max_seqlen_q, max_seqlen_k), sequence b reading the top-left
     corner of entry b) apply per sequence.
-    """
-    check_backend(backend)
-    if packed is not None:
-        check_packed(q, k, v, packed)
-        out = None if out is None else batched_view("out", out, TOKENS)
-        lse = None if lse is None else batched_view("lse", lse, "(H_q, total_q)")
-        q, k, v = (as_batched(t) for t in (q, k, v))
-    inputs.check_qkv(q, k, v)
-    shape = BatchShape.of(q, k, packed)
-    causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
-    kernel_bias = None if bias is None else prepare_bias(bias, shape.scores(q.shape[1]), q)
-    kernel_sink = None if sink is None else prepare_sink(sink, q)
-    if q.device.type != "cuda":
-        inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
-    registry = registry or default_registry()
-    target = Target.of(q)
-    d_qk, d_v = q.shape[3], v.shape[3]
-    dims = kernel_dims(d_qk, d_v, registry.head_dims("fwd", inputs.DTYPES[q.dtype], target.capability), "forward")
-    given = {"out": out, "lse": lse}
-    out = inputs.empty_in_memory_order(q, d_v) if out is None else out
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
-    inputs.check_forward_outputs(q, out, lse, d_v, written_in_place=dims == (d_qk, d_v))
-    readers = {"q": q, "k": k, "v": v, "bias": bias, "sink": sink}
-    for name, buffer in given.items():
-        if buffer is not None:
-            inputs.check_output_buffer(name, buffer, {**readers, **{n: b for n, b in given.items() if n != name}})
-    if packed is not None:
-        # Tokens in no sequence: O = 0 and LSE = -inf, as a row that sees no key (the kernels
-        # write the tokens inside sequences only). A fresh buffer is filled whole (a memset), a
-        # given one where no sequence is.
-        outside = None
-        for buffer, caller_buffer, fill in ((out, given["out"], 0.0), (lse, given["lse"], float("-inf"))):
-            if caller_buffer is None:
-                buffer.fill_(fill)
-                continue
-            if outside is None:
-                outside = ~token_mask(packed.cu_seqlens_q, q.shape[2])
-            buffer.masked_fill_(outside.view(1, 1, -1, *(1,) * (buffer.dim() - 3)), fill)
-    if out.numel() and shape.batch and shape.seqlen_q:  # (no key is for the kernel: O = 0, LSE = -inf)
-        kernel_out = out
-        if dims != (d_qk, d_v):  # flashkiln.head_dims: zero-padded copies, O copied back
-            q, k, v = padded(q, dims[0]), padded(k, dims[0]), padded(v, dims[1])
-            kernel_out = (torch.zeros if packed is not None else torch.empty)((*q.shape[:3], dims[1]), dtype=q.dtype,
-                                                                              device=q.device)
-        q, k, v = (inputs.kernel_layout(t) for t in (q, k, v))
-        launch = plan_if_hopper(backend, q, k, v, kernel_out, lse, causal_mode, scale, kernel_bias, kernel_sink,
-                                packed, target, registry)
-        run(registry, target, [launch or plan_forward(q, k, v, kernel_out, lse, causal_mode, scale, kernel_bias,
-                                                      target.capability, registry, kernel_sink, packed)])
-        if kernel_out is not out:
-            out.copy_(kernel_out[..., :d_v])
-    if packed is not None:
-        out, lse = as_tokens(out), as_tokens(lse)
-    return out, lse
 
+    Plans are cached per call key (flashkiln.plan_cache): a repeated call runs only its launch.
+    """
+    key = None
+    if out is None and lse is None:
+        try:
+            key = _key(q, k, v, causal, scale, bias, sink, packed, registry, backend)
+        except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what is wrong
+            key = None
+    plan = None if key is None else PLANS.get(key)
+    if plan is None:
+        plan = plan_forward(q, k, v, causal, scale, bias, sink, packed, out, lse, registry, backend)
+        if key is not None:
+            PLANS.put(key, plan)
+    return plan.run(q, k, v, bias, sink, packed, out, lse)

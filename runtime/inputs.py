@@ -4,10 +4,7 @@ Every problem a caller can cause is an InvalidInputError raised here, before any
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator
-
 import torch
 
 from .errors import InvalidInputError
@@ -145,20 +142,21 @@ def empty_in_memory_order(q: torch.Tensor, d_v: int) -> torch.Tensor:
     return torch.empty((b, hq, sq, d_v), dtype=q.dtype, device=q.device)
 
 
-@contextlib.contextmanager
-def kernel_written_allocations() -> Iterator[None]:
+class kernel_written_allocations:  # noqa: N801 (used as a context manager, like a function)
     """Allocations inside are buffers the kernels write in full before anything reads them.
 
     Under torch.use_deterministic_algorithms(True), torch.empty fills new memory with NaN so that
     reads of uninitialized memory reproduce; for these buffers that fill is only a memset (the
     backward's dS workspace alone can be gigabytes), so it is switched off while they are made.
+    (A class, not a generator: it is on every backward's path.)
     """
-    flag = torch.utils.deterministic.fill_uninitialized_memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = flag
+
+    def __enter__(self) -> None:
+        self._flag = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
+
+    def __exit__(self, *exc: object) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = self._flag
 
 
 def empty_gradient_like(t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from .version import __version__
 from .errors import FlashkilnError
 from .files import atomic_write
 from .manifest import KernelEntry

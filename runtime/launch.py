@@ -1,15 +1,22 @@
-"""Launching planned kernels on PyTorch's current stream of the inputs' device."""
+"""Planned launches and running them on PyTorch's current stream of the inputs' device.
+
+A planner (a family's, flashkiln.families) turns one call's checked inputs into KernelLaunches:
+the chosen kernel, its grid and a parameter block filled for that call. A launch also names the
+block's pointer fields and tensor maps by role ("q", "lse", "delta", ...), so that a later call of
+the same shape can reuse the block: `run` copies it and patches only those from the call's tensors
+(a tensor map's address with cuTensorMapReplaceAddress, not a new encoding).
+"""
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
 from .manifest import KernelEntry
 
-if TYPE_CHECKING:  # the registry chooses tiles with tile_choice, which uses ceil_div from here
+if TYPE_CHECKING:  # the registry is handed in by the callers
     from .registry import KernelRegistry
 
 
@@ -20,9 +27,98 @@ class KernelLaunch:
     entry: KernelEntry
     grid: tuple[int, int, int]
     params: ctypes.Structure
-    # Buffers the parameters point at that the caller holds no reference to (scratch made while
-    # planning): kept until the launch is enqueued, after which the stream orders their reuse.
-    keep_alive: tuple[Any, ...] = ()
+    # Pointer fields of `params`, each patched from the call's tensor of the same role (its name).
+    pointers: tuple[str, ...] = ()
+    # (field, role, address): TMA descriptors in `params`, each encoded for the planning call's
+    # `role` tensor at that address, and re-pointed at the call's.
+    tensor_maps: tuple[tuple[str, str, int], ...] = ()
+
+    @classmethod
+    def planned(cls, entry: KernelEntry, grid: tuple[int, int, int], params: ctypes.Structure,
+                tensors: Mapping[str, torch.Tensor | None],
+                tensor_maps: tuple[tuple[str, str, int], ...] = ()) -> "KernelLaunch":
+        """The launch with every field of `params` that names a role of `tensors` set to its address.
+        Roles that are None stay null for every call of the plan: which roles a call has is part of
+        its plan-cache key."""
+        fields = {name for name, _ in type(params)._fields_}
+        for name in fields.intersection(tensors):
+            setattr(params, name, _address(tensors[name]))
+        pointers = tuple(name for name, t in tensors.items() if name in fields and t is not None)
+        return cls(entry, grid, params, pointers, tensor_maps)
+
+    def bound(self, tensors: Mapping[str, torch.Tensor | None], replace_address: Any) -> ctypes.Structure:
+        """A copy of the parameter block pointing at `tensors`."""
+        params = type(self.params).from_buffer_copy(self.params)
+        for name in self.pointers:
+            setattr(params, name, tensors[name].data_ptr())
+        for name, role, planned in self.tensor_maps:
+            address = tensors[role].data_ptr()
+            if address != planned:
+                replace_address(ctypes.addressof(params) + getattr(type(params), name).offset, address)
+        return params
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A buffer the kernels use besides the call's inputs and outputs, made again for every call
+    (the stream orders the memory's reuse after the kernels)."""
+
+    role: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    zeroed: bool  # else the kernels write it before they read it
+
+
+@dataclass
+class ScratchSet:
+    """The scratch a planner asks for: made now, for the planning call, and recorded for later ones."""
+
+    device: torch.device
+    specs: list[Scratch] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+    def take(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
+        spec = Scratch(role, tuple(shape), dtype, zeroed)
+        self.specs.append(spec)
+        t = self.tensors[role] = allocate(spec, self.device)
+        return t
+
+    def absent(self, role: str) -> None:
+        """A role this plan does not use (a null pointer)."""
+        self.tensors[role] = None
+
+
+def allocate(spec: Scratch, device: torch.device) -> torch.Tensor:
+    return (torch.zeros if spec.zeroed else torch.empty)(spec.shape, dtype=spec.dtype, device=device)
+
+
+def allocate_all(specs: tuple[Scratch, ...], device: torch.device) -> dict[str, torch.Tensor]:
+    return {s.role: allocate(s, device) for s in specs}
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What a call does, decided once for all calls of its plan-cache key (flashkiln.plan_cache):
+    the fields a forward's and a backward's plans share."""
+
+    registry: KernelRegistry
+    target: Target
+    family: str | None  # None: nothing to compute
+    launches: tuple[KernelLaunch, ...]
+    scratch: tuple[Scratch, ...]
+    causal: str
+    scale: float
+    scores: tuple[int, int, int, int]  # (B, H_q, S_q, S_k), what a bias broadcasts to
+    dims: tuple[int, int]  # the kernels' head dims (larger than the call's: zero-padded copies)
+    kernels: tuple[Any, ...]  # the launches' loaded kernels (registry.load), loaded when planned
+
+
+def load_kernels(registry: KernelRegistry, target: Target, launches: tuple[KernelLaunch, ...]) -> tuple[Any, ...]:
+    return tuple(registry.load(launch.entry, target.device, target.capability) for launch in launches)
 
 
 @dataclass(frozen=True)
@@ -32,29 +128,45 @@ class Target:
     device: int
     capability: tuple[int, int]
     memory: int  # bytes of device memory
+    multiprocessors: int
+    l2_bytes: int
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "Target":
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)  # cached by torch
-        return cls(index, (props.major, props.minor), props.total_memory)
-
-
-def request(kernel: str, dtype: str, d_qk: int, d_v: int, causal: str = "none", deterministic: bool = False,
-            bias: bool = False, family: str = "portable", packed: bool = False) -> dict[str, Any]:
-    """The functional fields (all but arch) of the kernel a call needs (portable family by default;
-    `packed`: a hopper kernel for packed batches, flashkiln.descriptor)."""
-    return {"kernel": kernel, "family": family, "dtype": dtype, "d_qk": d_qk, "d_v": d_v, "causal": causal,
-            "bias": "additive" if bias else "none", "deterministic": deterministic, "packed": packed}
+        return cls(index, (props.major, props.minor), props.total_memory, props.multi_processor_count,
+                   props.L2_cache_size)
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def run(registry: KernelRegistry, target: Target, launches: list[KernelLaunch]) -> None:
-    """Launch in order on the current stream (kernels of one call are ordered by that stream)."""
-    with torch.cuda.device(target.device):
-        stream = torch.cuda.current_stream(target.device).cuda_stream
-        for launch in launches:
-            registry.launch(launch.entry, target.device, target.capability, launch.grid, launch.params, stream)
+def _current_stream(device: int) -> int:
+    # The raw handle without building a torch.cuda.Stream object (a few microseconds per call).
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def run(registry: KernelRegistry, target: Target, launches: tuple[KernelLaunch, ...] | list[KernelLaunch],
+        tensors: Mapping[str, torch.Tensor | None] | None = None, kernels: tuple[Any, ...] | None = None) -> None:
+    """Launch in order on the current stream (kernels of one call are ordered by that stream);
+    with `tensors`, each launch's block is patched to point at them first. `kernels`: the launches'
+    loaded kernels (registry.load), where the caller holds them."""
+    if torch.cuda.current_device() != target.device:
+        with torch.cuda.device(target.device):
+            return run(registry, target, launches, tensors, kernels)
+    driver = registry.driver
+    stream = _current_stream(target.device)
+    driver.bind_context(target.device)
+    if kernels is None:
+        kernels = load_kernels(registry, target, tuple(launches))
+    bound: dict[int, ctypes.Structure] = {}  # launches that share a parameter block share its binding
+    for launch, kernel in zip(launches, kernels):
+        params = launch.params
+        if tensors is not None:
+            params = bound.get(id(launch.params))
+            if params is None:
+                params = bound[id(launch.params)] = launch.bound(tensors, driver.replace_tensor_map_address)
+        driver.launch(kernel.handle, launch.grid, (launch.entry.threads, 1, 1), launch.entry.smem_bytes, stream,
+                      params)

@@ -2,8 +2,10 @@
 
 `flashkiln::attention_forward` and `flashkiln::attention_backward` are opaque to torch.compile
 (no graph breaks), have shape-only fake implementations for tracing, and the forward's autograd
-formula calls the backward op. Every launch goes on the current stream, so the ops also work
-under CUDA-graph capture.
+formula calls the backward op. In eager mode the SDPA drop-in and varlen_attention run the same
+functions through a plain autograd.Function, one call per direction, without the custom-op
+dispatch's host time. Every launch goes on the current stream, so both also work under
+CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -40,16 +42,18 @@ def _scores_shape(q: torch.Tensor, k: torch.Tensor, packed: Optional[PackedBatch
     return packed.batch, q.shape[1], packed.max_seqlen_q, packed.max_seqlen_k
 
 
-@torch.library.custom_op("flashkiln::attention_forward", mutates_args=())
-def attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                         sink: Optional[torch.Tensor], causal: str, scale: float, deterministic: Optional[bool],
-                         cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                         max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+             sink: Optional[torch.Tensor], causal: str, scale: float, deterministic: Optional[bool],
+             cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); `deterministic` is only carried to the backward. With cu_seqlens, a packed
     batch (flashkiln.varlen)."""
     out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), scale=scale, bias=bias, sink=sink,
                                  packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return out, lse
+
+
+attention_forward_op = torch.library.custom_op("flashkiln::attention_forward", mutates_args=())(_forward)
 
 
 @attention_forward_op.register_fake
@@ -64,22 +68,32 @@ def _(q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q=None, cu_s
     return checks.empty_in_memory_order(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("flashkiln::attention_backward", mutates_args=())
-def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                          bias: Optional[torch.Tensor], bias_grad: bool,
-                          sink: Optional[torch.Tensor], sink_grad: bool, causal: str, scale: float,
-                          deterministic: Optional[bool], cu_seqlens_q: Optional[torch.Tensor] = None,
-                          cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dbias, dsink); dbias and dsink are empty tensors unless asked for."""
+def _gradients_or_none(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, causal, scale, deterministic,
+                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
+    """(dq, dk, dv, dbias or None, dsink or None) of the backward op's arguments."""
     dq, dk, dv, *extra = attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=_causal_arg(causal),
                                             scale=scale, bias=bias, bias_grad=bias_grad, sink=sink,
                                             sink_grad=sink_grad, deterministic=deterministic,
                                             packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    dbias = extra.pop(0) if bias_grad else q.new_empty(0)
-    dsink = extra.pop(0) if sink_grad else q.new_empty(0)
-    return dq, dk, dv, dbias, dsink
+    dbias = extra.pop(0) if bias_grad else None
+    return dq, dk, dv, dbias, extra.pop(0) if sink_grad else None
+
+
+def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                    bias: Optional[torch.Tensor], bias_grad: bool,
+                    sink: Optional[torch.Tensor], sink_grad: bool, causal: str, scale: float,
+                    deterministic: Optional[bool], cu_seqlens_q: Optional[torch.Tensor] = None,
+                    cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias, dsink); dbias and dsink are empty tensors unless asked for (an op returns tensors)."""
+    dq, dk, dv, dbias, dsink = _gradients_or_none(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad,
+                                                  causal, scale, deterministic, cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k)
+    return dq, dk, dv, q.new_empty(0) if dbias is None else dbias, q.new_empty(0) if dsink is None else dsink
+
+
+attention_backward_op = torch.library.custom_op("flashkiln::attention_backward", mutates_args=())(_backward_grads)
 
 
 @attention_backward_op.register_fake
@@ -94,24 +108,57 @@ def _(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, causal, s
     return (*(grads if packed is None else (as_tokens(g) for g in grads)), dbias, dsink)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = inputs
-    out, lse = output
+def _save(ctx, q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+          max_seqlen_k, out, lse) -> None:
     ctx.save_for_backward(q, k, v, bias, sink, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
     ctx.max_seqlen = (max_seqlen_q, max_seqlen_k)
 
 
-def _backward(ctx, dout, dlse):
+def _gradients(ctx, dout, dlse, backward) -> tuple:
+    """The forward's input gradients through `backward` (the backward op, or in eager mode
+    _gradients_or_none: the same function without the op's placeholder outputs)."""
     q, k, v, bias, sink, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     bias_grad, sink_grad = bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])
-    dq, dk, dv, dbias, dsink = attention_backward_op(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad,
-                                                     ctx.causal, ctx.scale, ctx.deterministic, cu_seqlens_q,
-                                                     cu_seqlens_k, *ctx.max_seqlen)
+    dq, dk, dv, dbias, dsink = backward(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, ctx.causal,
+                                        ctx.scale, ctx.deterministic, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen)
     return (dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None) + (None,) * 7
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    _save(ctx, *inputs, *output)
+
+
+def _backward(ctx, dout, dlse):
+    return _gradients(ctx, dout, dlse, attention_backward_op)
+
+
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's autograd in eager mode without torch's custom-op dispatch, which costs more
+    host time per call than the kernels' own planned launches (docs/perf.md); torch.compile traces
+    the custom ops instead (`_attention`)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)  # an unused LSE gives dlse None, not zeros
+        out, lse = _forward(*inputs)
+        _save(ctx, *inputs, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _gradients(ctx, dout, dlse, _gradients_or_none)
+
+
+def _attention(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention_forward_op's arguments, differentiable: the custom op under
+    torch.compile, the same functions through a plain autograd.Function in eager mode."""
+    if torch.compiler.is_compiling():
+        return attention_forward_op(*inputs)
+    return _EagerAttention.apply(*inputs)
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -148,8 +195,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # A bool mask becomes its additive bias here, once, not in both the forward and the backward.
     attn_mask = None if attn_mask is None else additive(attn_mask, query.dtype)
-    out, _ = attention_forward_op(query, key, value, attn_mask, sink, "top_left" if is_causal else "none", scale,
-                                  deterministic)
+    out, _ = _attention(query, key, value, attn_mask, sink, "top_left" if is_causal else "none", scale, deterministic,
+                        None, None, 0, 0)
     return out.squeeze(1) if three_d else out
 
 
@@ -175,6 +222,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         PackedBatch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).validate(q.shape[0], k.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     bias = None if bias is None else additive(bias, q.dtype)  # once (see scaled_dot_product_attention)
-    out, _ = attention_forward_op(q, k, v, bias, sink, causal or "none", scale, deterministic, cu_seqlens_q,
-                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, _ = _attention(q, k, v, bias, sink, causal or "none", scale, deterministic, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k)
     return out

@@ -14,8 +14,13 @@ from dataclasses import dataclass
 
 
 # Each sequence's rows in BwdParams.dq_accum are rounded up to this, so whole query tiles add
-# unguarded: the mirror of kDqAccumRowAlign in templates/include/flashkiln/sequence.hpp.
+# unguarded: the mirror of kDqAccumRowAlign in templates/include/flashkiln/common/sequence.hpp.
 DQ_ACCUM_ROW_ALIGN = 128
+
+
+# The hopper forward's work-tile orders, by their innermost dim (HopperFwdParams.tile_order;
+# TileOrder in hopper/tile_scheduler.hpp).
+QUERY_TILES_INNER, HEADS_INNER, BATCH_INNER = 0, 1, 2
 
 
 class FwdParams(ctypes.Structure):
@@ -90,7 +95,7 @@ class TmaDescriptor(ctypes.Structure):
 
 
 class HopperFwdParams(ctypes.Structure):
-    """The Hopper forward's block (templates/include/flashkiln/hopper/params.hpp). The tensor maps
+    """The Hopper forward's block (templates/include/flashkiln/hopper/fwd_params.hpp). The tensor maps
     come first, at offsets that are multiples of 64, and the size is padded to a multiple of 64."""
 
     _fields_ = [

@@ -1,7 +1,6 @@
 """Kernel lookup and loading: functional request -> manifest entry -> verified, loaded cubin."""
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
@@ -11,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from .archs import ARCHS, arch_preference
-from .descriptor import FUNCTIONAL_FIELDS, PERFORMANCE_FIELDS, with_later_defaults
-from . import jit, tile_choice
+from .descriptor import AXES, FUNCTIONAL_FIELDS, PERFORMANCE_FIELDS, with_later_defaults
+from . import jit
 from .driver import CudaDriver, Driver
 from .errors import ArchMismatchError, DriverTooOldError, KernelIntegrityError, ManifestError, VariantNotFoundError
 from .manifest import MANIFEST_NAME, KernelEntry, Manifest
@@ -39,22 +38,22 @@ def _describe(fields: dict[str, Any]) -> str:
     return ", ".join(f"{k}={fields[k]}" for k in FUNCTIONAL_FIELDS if k in fields)
 
 
+def _spec_value(fields: dict[str, Any], spec_key: str) -> str:
+    if spec_key == "head_dims":
+        return str(fields["d_qk"]) if fields["d_qk"] == fields["d_v"] else f"[{fields['d_qk']}, {fields['d_v']}]"
+    value = next(fields[a.name] for a in AXES if a.spec_key == spec_key)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _yaml_hint(fields: dict[str, Any], spec: str) -> str:
-    dims = fields["d_qk"] if fields["d_qk"] == fields["d_v"] else f"[{fields['d_qk']}, {fields['d_v']}]"
+    """The spec group (descriptor.AXES' spec keys) and tuning row that would generate `fields`."""
+    keys = list(dict.fromkeys(a.spec_key for a in AXES if a.spec_key))
+    group = [f"{'  - ' if i == 0 else '    '}{key}: [{_spec_value(fields, key)}]" for i, key in enumerate(keys)]
     dims_key = fields["d_qk"] if fields["d_qk"] == fields["d_v"] else f"{fields['d_qk']}x{fields['d_v']}"
-    return (
-        f"To add it, append this group to `variants:` in {spec} and run `make generate`:\n"
-        f"  - kernel: [{fields['kernel']}]\n"
-        f"    arch: [{fields['arch']}]\n"
-        f"    dtype: [{fields['dtype']}]\n"
-        f"    head_dims: [{dims}]\n"
-        f"    causal: [{fields['causal']}]\n"
-        f"    bias: [{fields['bias']}]\n"
-        f"    deterministic: [{str(fields['deterministic']).lower()}]\n"
-        f"    packed: [{str(fields['packed']).lower()}]\n"
+    return "\n".join([
+        f"To add it, append this group to `variants:` in {spec} and run `make generate`:", *group,
         f"(its tuning table needs a row {fields['kernel']}: {fields['arch']}: {dims_key}: "
-        f"{{{', '.join(f'{k}: ...' for k in PERFORMANCE_FIELDS)}}})"
-    )
+        f"{{{', '.join(f'{k}: ...' for k in PERFORMANCE_FIELDS)}}})"])
 
 
 def _required_driver(nvrtc_version: str) -> int:
@@ -114,18 +113,20 @@ class KernelRegistry:
         return self._driver
 
     # -- lookup ------------------------------------------------------------------------------
-    def find(self, request: dict[str, Any], capability: tuple[int, int],
-             shape: tuple[int, int] | None = None) -> KernelEntry:
-        """The entry for `request` (every functional field but arch) that runs best on `capability`;
-        of a variant's several tunings, the one tile_choice picks for `shape` (S_q, S_k), else the first.
+    def find(self, request: dict[str, Any], capability: tuple[int, int]) -> KernelEntry:
+        """The default (first) tuning of `request` (every functional field but arch) for the best
+        arch that runs on `capability`."""
+        return self.tunings(request, capability)[0]
 
-        On every call's launch path: dictionary lookups (and a cached estimate per tuning)."""
+    def tunings(self, request: dict[str, Any], capability: tuple[int, int]) -> list[KernelEntry]:
+        """Every tuning of `request` for the best arch that runs on `capability` that has it, the
+        default first (a family's planner chooses among them per call); with JIT, compiled on a miss."""
         request = with_later_defaults(request)
         runnable = [a.name for a in arch_preference(capability)]
         built_archs = self._built_archs
         if not any(a in built_archs for a in runnable):
             if runnable and self.jit_cache is not None:
-                return self._jit_entry(request, runnable)
+                return [self._jit_entry(request, runnable)]
             raise ArchMismatchError(
                 f"this GPU has compute capability {capability[0]}.{capability[1]}, but the kernels in "
                 f"{self.directory} are built for {', '.join(built_archs) or 'no arch'}, none of which runs on it "
@@ -136,9 +137,9 @@ class KernelRegistry:
             fields = {**request, "arch": arch}
             entries = self._index.get(tuple(fields[k] for k in FUNCTIONAL_FIELDS))
             if entries:
-                return entries[0] if shape is None or len(entries) == 1 else tile_choice.choose(entries, *shape)
+                return entries
         if self.jit_cache is not None:
-            return self._jit_entry(request, runnable)
+            return [self._jit_entry(request, runnable)]
         wanted = {**request, "arch": next(a for a in runnable if a in built_archs)}
         raise VariantNotFoundError(self._not_found_message(wanted))
 
@@ -203,6 +204,9 @@ class KernelRegistry:
                 f"{entry.name} is built for {entry.arch}, which does not run on compute capability "
                 f"{capability[0]}.{capability[1]} (device {device})"
             )
+        kernel = self._kernels.get(entry.hash)
+        if kernel is not None and (entry.hash, device) in self._configured:
+            return kernel  # every launch: no lock once loaded and configured
         with self._lock:
             kernel = self._kernels.get(entry.hash)
             if kernel is None:
@@ -263,13 +267,6 @@ class KernelRegistry:
             except KernelIntegrityError as exc:
                 problems.append(str(exc))
         return problems
-
-    def launch(self, entry: KernelEntry, device: int, capability: tuple[int, int], grid: tuple[int, int, int],
-               params: ctypes.Structure, stream: int) -> None:
-        kernel = self.load(entry, device, capability)
-        self.driver.bind_context(device)
-        self.driver.launch(kernel.handle, grid, (entry.threads, 1, 1), entry.smem_bytes, stream, params)
-
 
 @functools.lru_cache(maxsize=1)
 def default_registry() -> KernelRegistry:

@@ -8,7 +8,7 @@ speed. Short sequences are where tiles that divide them evenly win (S = 1024 in 
 computes 1120 keys per row).
 
 The count is per work tile: it leaves out that the hopper family's causal tiles of 192 x 128 and
-128 x 80 skip, per consumer warpgroup, the key tiles its 64 rows cannot see (hopper/traits.hpp,
+128 x 80 skip, per consumer warpgroup, the key tiles its 64 rows cannot see (hopper/fwd_traits.hpp,
 kSkipHidden). Counted, that would move d 64's choice to the 192-row tiles at bottom-right shapes
 with S_q <= 256 and nowhere else in a sweep of S_q up to 2048 (S_k = S_q, S_q + 100, S_q - 50,
 2 S_q).
@@ -19,11 +19,12 @@ import functools
 
 from .launch import ceil_div
 from .manifest import KernelEntry
+from .visibility import visibility, visible_key_tiles
 
 
 # Under a causal mask the hopper family starts its grid of query tiles above row 0 by the
 # padding rounded down to these rows (a consumer warpgroup's, so that a warpgroup's rows lie all
-# above row 0 or none: hopper/epilogue.hpp), so that the partial tile is the first, shortest one.
+# above row 0 or none: hopper/fwd_epilogue.hpp), so that the partial tile is the first, shortest one.
 # The runtime passes the shift to the kernel (HopperFwdParams.row_shift).
 HOPPER_CAUSAL_SHIFT_ROWS = 64
 
@@ -36,20 +37,20 @@ def causal_row_shift(seqlen_q: int, tile_m: int, shift_rows: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def computed_pairs(seqlen_q: int, seqlen_k: int, causal: str, tile_m: int, tile_n: int, shift_rows: int = 0) -> int:
-    """(query, key) pairs a forward computes in whole tiles; the kernels' key_tiles rule. With
+    """(query, key) pairs a forward computes in whole tiles (flashkiln.visibility, the kernels' rule). With
     shift_rows, a causal grid of query tiles starts above row 0 by the padding rounded down to a
     multiple of shift_rows."""
     n_blocks = ceil_div(seqlen_k, tile_n)
     m_blocks = ceil_div(seqlen_q, tile_m)
     if causal == "none":
         return m_blocks * tile_m * n_blocks * tile_n
-    offset = seqlen_k - seqlen_q if causal == "bottom_right" else 0
+    rule = visibility(causal, seqlen_q, seqlen_k)
     row_shift = causal_row_shift(seqlen_q, tile_m, shift_rows)
     pairs = 0
     for m_block in range(m_blocks):
-        last_visible = min(seqlen_q, (m_block + 1) * tile_m - row_shift) - 1 + offset
-        if last_visible >= 0:
-            pairs += tile_m * min(n_blocks, last_visible // tile_n + 1) * tile_n
+        row0 = m_block * tile_m - row_shift
+        keys = visible_key_tiles(rule, row0, min(seqlen_q, row0 + tile_m), tile_n, n_blocks)
+        pairs += tile_m * max(keys.end - keys.first, 0) * tile_n
     return pairs
 
 

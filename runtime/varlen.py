@@ -58,7 +58,7 @@ class PackedBatch:
 
 @dataclass(frozen=True)
 class BatchShape:
-    """What the kernels see of a call's batch, dense or packed (templates/.../sequence.hpp)."""
+    """What the kernels see of a call's batch, dense or packed (templates/.../common/sequence.hpp)."""
 
     batch: int
     seqlen_q: int  # packed: the longest query sequence

@@ -23,22 +23,47 @@ def _exact_fp32_reference():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plan_caches():
+    """Plans made under one test's monkeypatching must not serve the next test."""
+    yield
+    from flashkiln import backward, forward
+
+    forward.PLANS.clear()
+    backward.PLANS.clear()
+
+
+def spy_planner(monkeypatch, family: str, direction: str = "forward") -> list:
+    """Record what `family`'s `direction` planner returns from now on (plan caches emptied, so that
+    every call plans)."""
+    import dataclasses
+
+    from flashkiln import backward, families, forward
+
+    forward.PLANS.clear()
+    backward.PLANS.clear()
+    planned: list = []
+    entry = families.FAMILIES[family]
+    real = entry.planners[direction]
+    spied = dataclasses.replace(entry, planners={**entry.planners, direction: lambda *a: planned.append(real(*a))
+                                                 or planned[-1]})
+    monkeypatch.setitem(families.FAMILIES, family, spied)
+    return planned
+
+
 @pytest.fixture
 def force_tile_order(monkeypatch):
     """force(order) makes the hopper forward run work tiles in `order` ("heads" or "batch"
-    innermost; flashkiln.hopper_forward.tile_order) and returns (the order's value, the launches
+    innermost; flashkiln.hopper_family.tile_order) and returns (the order's value, the launches
     planned from then on)."""
 
     def force(order: str) -> tuple[int, list]:
-        from flashkiln import hopper_forward
+        from flashkiln import hopper_family
 
-        value = {"heads": hopper_forward.HEADS_INNER, "batch": hopper_forward.BATCH_INNER}[order]
-        plans: list = []
-        plan = hopper_forward.plan_hopper_forward
-        monkeypatch.setattr(hopper_forward, "tile_order", lambda *args: value)
-        monkeypatch.setattr(hopper_forward, "plan_hopper_forward",
-                            lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
-        return value, plans
+        value = {"heads": hopper_family.HEADS_INNER, "batch": hopper_family.BATCH_INNER}[order]
+        monkeypatch.setattr(hopper_family, "tile_order", lambda *args: value)
+        planned = spy_planner(monkeypatch, "hopper")
+        return value, planned
 
     return force
 

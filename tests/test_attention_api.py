@@ -1,4 +1,4 @@
-"""attention_forward's argument checks and plan_forward's kernel choice and packing (CPU tensors only)."""
+"""attention_forward's argument checks and the portable planner's kernel choice and packing (CPU tensors only)."""
 from __future__ import annotations
 
 import ctypes
@@ -9,10 +9,9 @@ import torch
 
 import flashkiln
 from flashkiln import inputs
-from flashkiln.forward import plan_forward
 from flashkiln.head_dims import kernel_dims, padded
 from flashkiln.inputs import check_forward_outputs, is_kernel_layout, kernel_layout
-from test_registry import all_variants, descriptor, fake_registry  # tests/ is on sys.path (conftest.py)
+from test_registry import all_variants, descriptor, fake_registry, planned_forward  # tests/ is on sys.path (conftest.py)
 
 
 @pytest.fixture
@@ -167,7 +166,7 @@ def test_check_outputs_layout():
         check_forward_outputs(q, torch.zeros(2, 4, 33, 64, dtype=q.dtype), torch.zeros(2, 33, 4).transpose(1, 2), 64)
 
 
-# -- plan_forward ---------------------------------------------------------------------------------
+# -- portable_family.plan_forward ---------------------------------------------------------------------------------
 
 def outputs_for(q, d_v):
     b, h, s, _ = q.shape
@@ -176,7 +175,7 @@ def outputs_for(q, d_v):
 
 def plan(registry, q, k, v, causal="none", scale=0.125, capability=(9, 0)):
     out, lse = outputs_for(q, v.shape[3])
-    return plan_forward(q, k, v, out, lse, causal, scale, None, capability, registry), out, lse
+    return planned_forward(q, k, v, out, lse, causal, scale, None, capability, registry), out, lse
 
 
 def f32(x: float) -> float:

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import flashkiln
-from flashkiln.backward import _check_gradient_buffer, plan_backward
+from flashkiln.backward import _check_gradient_buffer
 from flashkiln.dq_routes import ROUTE_ENV, WORKSPACE_BUDGET_ENV
 from flashkiln.descriptor import VariantDescriptor
 from flashkiln.registry import KernelRegistry
-from test_registry import FakeDriver, kernel_entry, write_manifest
+from test_registry import FakeDriver, kernel_entry, planned_backward, write_manifest
 
 TILES = {"bwd": (64, 128, 8, 2), "bwd_pre": (16, 1, 4, 1), "bwd_post": (16, 1, 4, 1), "bwd_dq": (64, 128, 4, 2)}
 
@@ -59,7 +59,7 @@ def _no_route_settings(monkeypatch):
 def plan(registry, deterministic=False, causal="none", memory=H200_MEMORY, **shape):
     dout, q, k, v, out, lse = tensors(**shape)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    return plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), memory,
+    return planned_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), memory,
                          registry), (dout, q, k, v, out, lse, dq, dk, dv)
 
 
@@ -85,7 +85,7 @@ def test_plan_packs_every_tensor_and_stride(registry, monkeypatch):
     assert (params.q, params.dout, params.lse, params.dq) == (q.data_ptr(), dout.data_ptr(), lse.data_ptr(),
                                                               dq.data_ptr())
     s = p.scratch
-    delta, dq_accum, semaphore, workspace = s.delta, s.dq_accum, s.semaphore, s.ds_workspace
+    delta, dq_accum, semaphore, workspace = (s[r] for r in ("delta", "dq_accum", "dq_semaphore", "ds_workspace"))
     assert delta.shape == (2, 4, 100) and dq_accum.shape == (2, 4, 128, 128) and dq_accum.dtype == torch.float32
     assert params.delta == delta.data_ptr() and params.dq_accum == dq_accum.data_ptr()
 
@@ -98,7 +98,7 @@ def test_deterministic_plan_keeps_ds_in_a_workspace_when_it_fits(registry):
     assert main.entry.descriptor["deterministic"] and dq.entry.descriptor["causal"] == "bottom_right"
     assert dq.grid == (2, 4, 2)  # 100 query rows in tiles of 64
     s = p.scratch
-    delta, dq_accum, semaphore, workspace = s.delta, s.dq_accum, s.semaphore, s.ds_workspace
+    delta, dq_accum, semaphore, workspace = (s[r] for r in ("delta", "dq_accum", "dq_semaphore", "ds_workspace"))
     assert dq_accum is None and semaphore is None and main.params.dq_accum == 0 and main.params.dq_semaphore == 0
     # Dense dS in the input dtype, rows of S_k = 300 padded to whole 16-byte pieces (304).
     assert workspace.numel() == 2 * 4 * 100 * 304 and workspace.dtype == q.dtype
@@ -108,7 +108,7 @@ def test_deterministic_plan_keeps_ds_in_a_workspace_when_it_fits(registry):
 def _expect_ordered(p):
     assert p.route == "ordered" and p.launches[1].entry.descriptor["deterministic"] is True
     assert [l.entry.descriptor["kernel"] for l in p.launches] == ["bwd_pre", "bwd", "bwd_post"]
-    semaphore = p.scratch.semaphore
+    semaphore = p.scratch["dq_semaphore"]
     assert semaphore.shape == (2, 4, 2) and semaphore.dtype == torch.int32 and not semaphore.any()
     assert p.launches[1].params.dq_semaphore == semaphore.data_ptr() and p.launches[1].params.ds_workspace == 0
 
@@ -127,7 +127,7 @@ def test_routes_follow_the_measured_preference_by_head_dim(registry):
     assert routes == {(64, False): "atomic", (64, True): "workspace", (128, False): "workspace",
                       (128, True): "workspace", (256, False): "workspace", (256, True): "workspace"}
     atomic, _ = plan(registry, d=64)
-    assert atomic.scratch.semaphore is None and atomic.scratch.ds_workspace is None
+    assert atomic.scratch["dq_semaphore"] is None and atomic.scratch["ds_workspace"] is None
     assert atomic.launches[1].params.dq_semaphore == 0 and atomic.launches[1].params.ds_workspace == 0
     # A call that is not deterministic still runs the deterministic main kernel on the workspace route.
     assert plan(registry, d=128)[0].launches[1].entry.descriptor["deterministic"] is True
@@ -164,10 +164,10 @@ def test_bad_route_settings_are_typed_errors(registry, monkeypatch, env, value):
 
 def test_gqa_plan_accumulates_per_query_head(registry):
     p, _ = plan(registry, hq=6, hkv=2)
-    assert p.dk_accum.shape == (2, 6, 300, 128) and p.dv_accum.shape == (2, 6, 300, 128)
-    assert p.launches[1].params.dk_accum == p.dk_accum.data_ptr()
+    assert p.scratch["dk_accum"].shape == (2, 6, 300, 128) and p.scratch["dv_accum"].shape == (2, 6, 300, 128)
+    assert p.launches[1].params.dk_accum == p.scratch["dk_accum"].data_ptr()
     mha, _ = plan(registry)
-    assert mha.dk_accum is None and mha.launches[1].params.dk_accum == 0
+    assert mha.scratch["dk_accum"] is None and mha.launches[1].params.dk_accum == 0
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -222,16 +222,16 @@ def test_plan_passes_the_lse_gradient_and_asks_for_the_sink_sums(registry, monke
     dout, q, k, v, out, lse = tensors(b=2, hq=4, sq=100, sk=300)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     dlse, sink = torch.randn_like(lse), torch.randn(4)
-    p = plan_backward(dout, q, k, v, out, lse, dq, dk, dv, "none", 0.125, False, (9, 0), H200_MEMORY, registry,
+    p = planned_backward(dout, q, k, v, out, lse, dq, dk, dv, "none", 0.125, False, (9, 0), H200_MEMORY, registry,
                       dlse=dlse, sink=sink, sink_parts=True)
     params = p.launches[1].params
-    parts = p.scratch.sink_parts
+    parts = p.scratch["dsink_parts"]
     # One fp32 sum per (batch, head, key tile of the main kernel's grid), zeroed (CTAs past a
     # shorter packed sequence write none).
     assert parts.shape == (2, 4, p.launches[1].grid[0]) and parts.dtype == torch.float32 and not parts.any()
     assert (params.dlse, params.sink, params.dsink_parts) == (dlse.data_ptr(), sink.data_ptr(), parts.data_ptr())
     plain = plan(registry)[0]
-    assert plain.scratch.sink_parts is None
+    assert plain.scratch["dsink_parts"] is None
     assert (plain.launches[1].params.dlse, plain.launches[1].params.sink, plain.launches[1].params.dsink_parts) == (0, 0, 0)
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import flashkiln
-from flashkiln.backward import plan_backward
 from flashkiln.bias import bias_gradient, ds_row_elements, empty_bias_gradient, prepare_bias
 from flashkiln.dq_routes import ROUTE_ENV, WORKSPACE_BUDGET_ENV
 from test_backward_api import CAUSAL, H200_MEMORY, bwd_descriptor, make_registry, tensors
+from test_registry import planned_backward
 
 
 def q_like(b=2, hq=4, sq=100, d=64):
@@ -88,7 +88,7 @@ def plan(registry, causal="none", bias_grad=True, deterministic=False, bias_shap
     dout, q, k, v, out, lse = tensors()
     kb = prepare_bias(torch.randn(bias_shape, dtype=torch.bfloat16), (*q.shape[:3], 300), q)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    return plan_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), H200_MEMORY,
+    return planned_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), H200_MEMORY,
                          registry, kb, bias_grad)
 
 
@@ -101,7 +101,7 @@ def test_a_biased_backward_runs_the_deterministic_bias_kernel_on_the_workspace_r
     assert main.entry.descriptor["deterministic"] is True
     # S_k = 300 rows padded to whole 16-byte pieces (304); batch broadcast as a zero stride.
     assert main.params.bias != 0 and main.params.bias_head_stride == 100 * 304 and main.params.bias_batch_stride == 0
-    workspace = p.scratch.ds_workspace
+    workspace = p.scratch["ds_workspace"]
     assert not workspace.any(), "tiles no key tile visits are read by dBias: zeroed under a causal mask"
     # Without dBias, beyond the budget: the ordered route, still the deterministic bias kernel.
     p = plan(registry, bias_grad=False)
@@ -115,12 +115,12 @@ def test_a_forced_route_that_cannot_give_dbias_is_refused(registry, monkeypatch)
 
 
 def test_sdpa_turns_a_boolean_mask_into_its_bias_once(monkeypatch):
-    """The op (forward and, through autograd, backward) receives the additive bias, so the mask is
+    """The ops (forward and, through autograd, backward) receive the additive bias, so the mask is
     not converted again in each pass."""
     from flashkiln import ops
 
     seen = []
-    monkeypatch.setattr(ops, "attention_forward_op", lambda q, k, v, bias, *rest: seen.append(bias) or (q, None))
+    monkeypatch.setattr(ops, "_attention", lambda q, k, v, bias, *rest: seen.append(bias) or (q, None))
     q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     mask = torch.rand(8, 8) < 0.5
     ops.scaled_dot_product_attention(q, q, q, attn_mask=mask)
@@ -179,4 +179,4 @@ def test_a_key_constant_bias_gradient_needs_no_ds_workspace(registry, monkeypatc
     for shape, route in (((1, 4, 100, 1), "ordered"), ((1, 1, 1, 1), "ordered"), ((1, 4, 100, 300), "workspace")):
         p = plan(registry, bias_shape=shape)
         assert p.route == route, shape
-        assert (p.scratch.ds_workspace is None) == (route != "workspace")
+        assert (p.scratch["ds_workspace"] is None) == (route != "workspace")

@@ -119,14 +119,14 @@ def test_hopper_and_portable_forwards_agree(kind):
 @pytest.mark.parametrize("order", ["heads", "batch"])
 def test_hopper_tile_orders(order, dims, kind, causal, force_tile_order):
     """The hopper forward's tile orders for biases broadcast over heads or batches that L2 cannot
-    hold (flashkiln.hopper_forward.tile_order), forced at a shape with several batches, heads
+    hold (flashkiln.hopper_family.tile_order), forced at a shape with several batches, heads
     (GQA) and query tiles."""
     forced, plans = force_tile_order(order)
     seed = seed_of("tile-order", order, dims, kind, causal)
     q, k, v, _, gen = _inputs(seed, 700, 450, dims)
     repro = _repro("test_hopper_tile_orders", seed=seed, order=order, dims=dims, kind=kind, causal=causal)
     _forward_check(q, k, v, causal, _bias(kind, 700, 450, gen), repro, "hopper")
-    assert [launch.params.tile_order for launch in plans] == [forced]
+    assert [launches[0].params.tile_order for launches in plans] == [forced]
 
 
 @pytest.mark.parametrize("sq,sk", SEQLENS)

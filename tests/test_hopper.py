@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import re
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,9 @@ from flashkiln.generator.families import FAMILIES
 from flashkiln.generator.render import render
 from flashkiln.generator.specs import load_variants
 from flashkiln.params import HopperFwdParams, params_layout
-from flashkiln import backends, hopper_forward, tma
+from flashkiln import families, hopper_family, tma
 from flashkiln.bias import prepare_bias
+from test_registry import fake_target
 
 REPO = Path(__file__).resolve().parent.parent
 HOPPER = FAMILIES["hopper"]
@@ -212,24 +212,13 @@ def test_tile_order_puts_a_broadcast_dim_innermost_where_l2_cannot_hold_the_bias
     q = torch.empty(batch, 3, 100, 64, dtype=torch.bfloat16)
     kernel_bias = prepare_bias(torch.randn(shape, dtype=torch.bfloat16), (batch, 3, 100, 70), q)
     bias_map = tma.BiasMap(tma.TmaDescriptor(), *tma.bias_view(kernel_bias.tensor)[1])
-    orders = {"query": hopper_forward.QUERY_TILES_INNER, "heads": hopper_forward.HEADS_INNER,
-              "batch": hopper_forward.BATCH_INNER}
-    assert hopper_forward.tile_order(kernel_bias, bias_map, batch, l2_bytes) == orders[expected]
-    assert hopper_forward.tile_order(None, tma.BiasMap.none(), batch, 0) == hopper_forward.QUERY_TILES_INNER
+    orders = {"query": hopper_family.QUERY_TILES_INNER, "heads": hopper_family.HEADS_INNER,
+              "batch": hopper_family.BATCH_INNER}
+    assert hopper_family.tile_order(kernel_bias, bias_map, batch, l2_bytes) == orders[expected]
+    assert hopper_family.tile_order(None, tma.BiasMap.none(), batch, 0) == hopper_family.QUERY_TILES_INNER
 
 
-def test_tile_order_values_match_the_kernels_enum():
-    """hopper_forward's tile orders are the values of TileOrder in hopper/tile_scheduler.hpp, which
-    the kernel reads from HopperFwdParams.tile_order (the ABI check covers the field, not these)."""
-    header = (REPO / "templates/include/flashkiln/hopper/tile_scheduler.hpp").read_text()
-    enum = re.search(r"enum TileOrder : int \{([^}]*)\}", header)
-    assert enum, "TileOrder not found in tile_scheduler.hpp"
-    values = {name: int(value) for name, value in re.findall(r"(\w+) = (\d+)", enum.group(1))}
-    assert values == {"kQueryTilesInner": hopper_forward.QUERY_TILES_INNER,
-                      "kHeadsInner": hopper_forward.HEADS_INNER, "kBatchInner": hopper_forward.BATCH_INNER}
-
-
-# -- backend selection ---------------------------------------------------------------------------
+# -- family selection (flashkiln.families) ----------------------------------------------------------
 
 class FakeRegistry:
     def __init__(self, has: bool):
@@ -239,7 +228,40 @@ class FakeRegistry:
         return self._has
 
 
-REQUEST = {"kernel": "fwd", "family": "hopper"}
+class FakeCall:
+    def request(self, family: str) -> dict:
+        return {"family": family}
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Fake planners in the family table: each records its family's name; hopper's raises
+    UnsupportedError while `planned.refuse` is set (TMA cannot address the call)."""
+    calls: list = []
+
+    def planner(name):
+        def plan(call, target, registry, scratch):
+            if name == "hopper" and getattr(calls, "refuse", False):
+                raise UnsupportedError("TMA needs a 16-byte aligned base address")
+            calls.append(name)
+            return name
+        return plan
+
+    class Calls(list):
+        refuse = False
+
+    calls = Calls()
+    for name, family in list(families.FAMILIES.items()):
+        monkeypatch.setitem(families.FAMILIES, name, dataclasses.replace(
+            family, planners={direction: planner(name) for direction in family.planners}))
+    return calls
+
+
+def choose(direction, backend, capability, has=True):
+    family, result, _ = families.plan(direction, FakeCall(), backend, fake_target(capability), FakeRegistry(has),
+                                      torch.device("cpu"))
+    assert family == result
+    return family
 
 
 @pytest.mark.parametrize("capability, has, expected", [
@@ -247,31 +269,28 @@ REQUEST = {"kernel": "fwd", "family": "hopper"}
     ((9, 0), False, "portable"),   # variant not generated (the request names bias, causal, ...)
     ((8, 0), True, "portable"),
 ])
-def test_auto_prefers_hopper_where_it_can_run(capability, has, expected):
-    assert backends.forward_family(None, capability, FakeRegistry(has), REQUEST) == expected
+def test_auto_prefers_hopper_where_it_can_run(planned, capability, has, expected):
+    assert choose("forward", None, capability, has) == expected
 
 
-def test_explicit_backends():
-    assert backends.forward_family("portable", (9, 0), FakeRegistry(True), REQUEST) == "portable"
-    assert backends.forward_family("hopper", (9, 0), FakeRegistry(False), REQUEST) == "hopper"
+def test_auto_falls_back_where_hopper_cannot_address_the_call(planned):
+    planned.refuse = True
+    assert choose("forward", None, (9, 0)) == "portable"
+
+
+def test_explicit_backends(planned):
+    assert choose("forward", "portable", (9, 0)) == "portable"
+    assert choose("forward", "hopper", (9, 0), has=False) == "hopper"  # its lookup names what is missing
     with pytest.raises(UnsupportedError, match="compute capability 9.0"):
-        backends.forward_family("hopper", (8, 0), FakeRegistry(True), REQUEST)
+        choose("forward", "hopper", (8, 0))
     with pytest.raises(InvalidInputError):
-        backends.forward_family("cudnn", (9, 0), FakeRegistry(True), REQUEST)
+        choose("forward", "cudnn", (9, 0))
+    planned.refuse = True
+    with pytest.raises(UnsupportedError, match="16-byte"):
+        choose("forward", "hopper", (9, 0))
 
 
-def test_attention_forward_checks_backend_first():
-    import flashkiln
-
-    q = torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16)
-    with pytest.raises(InvalidInputError, match="backend"):
-        flashkiln.attention_forward(q, q, q, backend="cudnn")
-
-
-def test_registry_has_looks_at_the_manifest_only(tmp_path):
-    from test_registry import fake_registry, descriptor, request
-
-    registry, _ = fake_registry(tmp_path, [descriptor(arch="sm_90a")])
-    assert registry.has(request(), (9, 0))
-    assert not registry.has(request(), (8, 0))
-    assert not registry.has({**request(), "family": "hopper"}, (9, 0))
+def test_the_backward_dispatches_through_the_same_table(planned):
+    assert choose("backward", None, (9, 0)) == "portable"
+    with pytest.raises(UnsupportedError, match="the hopper family has no backward kernels"):
+        choose("backward", "hopper", (9, 0))

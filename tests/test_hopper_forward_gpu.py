@@ -95,18 +95,16 @@ def test_rows_without_visible_keys():
 def test_auto_takes_hopper_and_falls_back(monkeypatch):
     """Auto runs the Hopper kernel for a generated variant (with a bias too) and the portable one
     for a variant the hopper family lacks; backend="hopper" refuses those with typed errors."""
-    from flashkiln import hopper_forward
+    from conftest import spy_planner
 
-    planned = []
-    real = hopper_forward.plan_hopper_forward
-    monkeypatch.setattr(hopper_forward, "plan_hopper_forward", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    planned = spy_planner(monkeypatch, "hopper")
     q, k, v = _inputs(seed_of("hopper-auto"), 1, 2, 2, 256, 256, 128, torch.bfloat16)
     auto = flashkiln.attention_forward(q, k, v)
-    assert planned == [1]
+    assert len(planned) == 1
     torch.testing.assert_close(auto[0], flashkiln.attention_forward(q, k, v, backend="hopper")[0], rtol=0, atol=0)
     bias = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     biased = flashkiln.attention_forward(q, k, v, bias=bias)
-    assert planned == [1, 1, 1]
+    assert len(planned) == 3
     torch.testing.assert_close(biased[0], flashkiln.attention_forward(q, k, v, bias=bias, backend="hopper")[0],
                                rtol=0, atol=0)
     d96 = _inputs(seed_of("hopper-d96"), 1, 2, 2, 64, 64, 96, torch.bfloat16)
@@ -115,25 +113,29 @@ def test_auto_takes_hopper_and_falls_back(monkeypatch):
     flashkiln.attention_forward(*d96)  # auto: portable
 
 
-def test_causal_launch_keeps_its_tile_counter():
-    """The zeroed counter causal CTAs claim tiles from lives until the launch is enqueued (no
-    caller holds it: freed earlier, the kernel would count in released memory); the grid's row
-    shift is the one the tile choice counts."""
-    from flashkiln import hopper_forward
-    from flashkiln.launch import Target
+def test_causal_launch_takes_a_zeroed_tile_counter():
+    """Causal CTAs claim tiles from a zeroed counter, scratch made for every call (held until the
+    launch is enqueued); the grid's row shift is the one the tile choice counts."""
+    from flashkiln import hopper_family
+    from flashkiln.calls import ForwardCall
+    from flashkiln.launch import ScratchSet, Target
     from flashkiln.registry import default_registry
 
     q, k, v = _inputs(seed_of("hopper-counter"), 1, 2, 2, 300, 300, 128, torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    launch = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "top_left", 0.1, None, None, Target.of(q),
-                                                default_registry())
-    (counter,) = launch.keep_alive
+    scratch = ScratchSet(q.device)
+    (launch,) = hopper_family.plan_forward(ForwardCall(q, k, v, out, lse, "top_left", 0.1), Target.of(q),
+                                           default_registry(), scratch)
+    counter = scratch.tensors["tile_counter"]
+    assert [s.role for s in scratch.specs] == ["tile_counter"] and scratch.specs[0].zeroed
     assert launch.params.tile_counter == counter.data_ptr() and counter.item() == 0
+    assert "tile_counter" in launch.pointers  # a cached plan points each call at a fresh zeroed counter
     tile_m = launch.entry.descriptor["tile_m"]
     assert launch.params.row_shift == flashkiln.tile_choice.causal_row_shift(300, tile_m, 64) == 64
-    plain = hopper_forward.plan_hopper_forward(q, k, v, out, lse, "none", 0.1, None, None, Target.of(q),
-                                               default_registry())
-    assert plain.params.tile_counter == 0 and plain.keep_alive == () and plain.params.row_shift == 0
+    scratch = ScratchSet(q.device)
+    (plain,) = hopper_family.plan_forward(ForwardCall(q, k, v, out, lse, "none", 0.1), Target.of(q),
+                                          default_registry(), scratch)
+    assert plain.params.tile_counter == 0 and scratch.specs == [] and plain.params.row_shift == 0
 
 
 @pytest.mark.parametrize("sq,sk", [(1023, 1023), (129, 4224), (4224, 129)])
@@ -153,6 +155,7 @@ def test_each_tuning_of_a_variant(monkeypatch, d, causal, sq, sk):
     seed = seed_of("hopper-tunings", d, causal, sq, sk)
     q, k, v = _inputs(seed, 2, 6, 2, sq, sk, d, torch.bfloat16)
     while True:
+        flashkiln.forward.PLANS.clear()  # plan again with the next tuning
         _check_forward(q, k, v, causal, None, _repro("test_each_tuning_of_a_variant", seed=seed, d=d, causal=causal,
                                                      sq=sq, sk=sk, tuning=forced["index"]), backend="hopper")
         forced["index"] += 1
@@ -169,7 +172,7 @@ def test_row_maxima_growing_across_key_tiles(d, causal):
     """Even query rows see scores rising by about 40 (log2 units) from the last key to the first
     (key tiles run last to first, so the running maximum grows at every tile, by less or more
     than the lazy rescaling's slack of 8); odd rows see flat scores: O's rescaling (eager at d 64,
-    lazy above, hopper/traits.hpp) in warps whose rows disagree."""
+    lazy above, hopper/fwd_traits.hpp) in warps whose rows disagree."""
     seed = seed_of("hopper-growing", d, causal)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     s = 1100

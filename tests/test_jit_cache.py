@@ -139,7 +139,7 @@ def test_registry_compiles_a_missing_variant_on_first_use(tmp_path, tiny_specs, 
     assert registry.find(TINY_REQUEST, (8, 6)) is entry  # memoized: no disk on the launch path
     from flashkiln.params import FwdParams
 
-    registry.launch(entry, 0, (8, 6), (1, 1, 1), FwdParams(), 0)
+    registry.driver.launch(registry.load(entry, 0, (8, 6)).handle, (1, 1, 1), (entry.threads, 1, 1), entry.smem_bytes, 0, FwdParams())
     (_, image), = registry.driver.named("load_library")
     assert image == Path(entry.cubin).read_bytes()
 

@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
+from flashkiln import portable_family, tile_choice
+from flashkiln.calls import BackwardCall, ForwardCall
 from flashkiln.descriptor import VariantDescriptor
 from flashkiln.errors import ArchMismatchError, KernelIntegrityError, ManifestError, VariantNotFoundError
 from flashkiln.manifest import MANIFEST_NAME, KernelEntry, Manifest
 from flashkiln.params import FwdParams, params_layout
+from flashkiln.launch import ScratchSet, Target
 from flashkiln.registry import KernelRegistry
 
 # -- fakes (also used by test_attention_api.py) ---------------------------------------------------
@@ -39,6 +43,9 @@ class FakeDriver:
 
     def bind_context(self, device: int) -> None:
         pass  # a CPU test has no context to bind
+
+    def replace_tensor_map_address(self, tensor_map: int, address: int) -> None:
+        self.calls.append(("replace_tensor_map_address", tensor_map, address))
 
     def launch(self, kernel, grid, block, smem_bytes, stream, params) -> None:
         self.calls.append(("launch", kernel, grid, block, smem_bytes, stream, params))
@@ -130,14 +137,17 @@ def test_find_prefers_a_specific_minor_over_its_major(tmp_path):
     ("none", (8192, 8192), 160),   # 8320 keys per row at 160 beat 8192 at 128 at 0.97 the speed
     ("top_left", (8192, 8192), 160),
 ])
-def test_find_chooses_among_tunings_by_shape(tmp_path, causal, shape, tile_n):
+def test_tunings_lead_with_the_default_and_tile_choice_picks_by_shape(tmp_path, causal, shape, tile_n):
     default = descriptor(causal=causal, tile_n=160)
     other = descriptor(causal=causal, tile_n=128)
     directory = tmp_path / "kernels"
     # The manifest's order is its compile units', not the tuning table's: the first tuning still leads.
     write_manifest(directory, [kernel_entry(other, relative_speed=0.97), kernel_entry(default)])
     registry = KernelRegistry(directory, driver=FakeDriver())
-    assert registry.find(request(causal=causal), (9, 0), shape=shape).variant.tile_n == tile_n
+    tunings = registry.tunings(request(causal=causal), (9, 0))
+    assert tunings[0] == registry.find(request(causal=causal), (9, 0)) and len(tunings) == 2
+    chosen = tunings[0] if shape is None else tile_choice.choose(tunings, *shape)
+    assert chosen.variant.tile_n == tile_n
 
 
 def test_find_matches_every_functional_field(tmp_path):
@@ -200,7 +210,8 @@ def test_variant_not_found_is_a_lookup_error(tmp_path):
 
 def launch(registry: KernelRegistry, entry: KernelEntry, device: int = 0, capability=(9, 0), stream: int = 7):
     params = FwdParams(batch=1)
-    registry.launch(entry, device, capability, (3, 2, 1), params, stream)
+    registry.driver.launch(registry.load(entry, device, capability).handle, (3, 2, 1), (entry.threads, 1, 1),
+                           entry.smem_bytes, stream, params)
     return params
 
 
@@ -380,3 +391,33 @@ def test_a_driver_older_than_the_kernels_toolkit_is_a_typed_error(tmp_path):
     with pytest.raises(DriverTooOldError, match="NVRTC 13.0.*supports CUDA 12.8"):
         launch(registry, entry)
     assert driver.named("load_library") == []
+
+
+# -- the portable family's planners, called as the runtime calls them (CPU tensors, a faked GPU) ---
+
+def fake_target(capability=(9, 0), memory=141 << 30) -> Target:
+    return Target(0, capability, memory, 132, 60 << 20)
+
+
+def planned_forward(q, k, v, out, lse, causal, scale, bias, capability, registry, sink=None, packed=None):
+    """The portable forward launch for checked (kernel-side) tensors."""
+    call = ForwardCall(q, k, v, out, lse, causal, scale, bias, sink, packed)
+    (launch,) = portable_family.plan_forward(call, fake_target(capability), registry, ScratchSet(q.device))
+    return launch
+
+
+@dataclass(frozen=True)
+class PlannedBackward:
+    launches: list
+    route: str
+    scratch: dict  # role -> tensor (None where the route takes none)
+
+
+def planned_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, capability, memory, registry,
+                     bias=None, bias_grad=False, packed=None, dlse=None, sink=None, sink_parts=False):
+    """The portable backward's launches, route and scratch for checked (kernel-side) tensors."""
+    call = BackwardCall(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, bias, bias_grad, packed, dlse,
+                        sink, sink_parts)
+    scratch = ScratchSet(q.device)
+    planned = portable_family.plan_backward(call, fake_target(capability, memory), registry, scratch)
+    return PlannedBackward(planned.launches, planned.route, scratch.tensors)

@@ -201,6 +201,7 @@ def test_each_hopper_tuning_on_packed_batches(monkeypatch, dims, causal):
     monkeypatch.setattr(flashkiln.tile_choice, "choose", choose)
     case = _packed_case(seed_of("varlen-tunings", dims, causal), "long", hq=6, hkv=2, dims=dims)
     while True:
+        flashkiln.forward.PLANS.clear()  # plan again with the next tuning
         out, lse = _forward(case, causal, backend="hopper")
         _check_forward(case, out, lse, causal, None, None,
                        _repro("test_each_hopper_tuning_on_packed_batches", dims=dims, causal=causal,
@@ -215,8 +216,9 @@ def test_hopper_plan_of_a_packed_batch():
     """Packed tiles differ in length with or without a mask: CTAs claim them from a counter; the
     causal grid starts at row 0 (the sequences end at different rows)."""
     _skip_unless_runs("hopper")
-    from flashkiln import hopper_forward
-    from flashkiln.launch import Target
+    from flashkiln import hopper_family
+    from flashkiln.calls import ForwardCall
+    from flashkiln.launch import ScratchSet, Target
     from flashkiln.registry import default_registry
     from flashkiln.varlen import as_batched
 
@@ -224,10 +226,11 @@ def test_hopper_plan_of_a_packed_batch():
     q, k, v = (as_batched(t) for t in (case.q, case.k, case.v))
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     for causal in ("none", "top_left"):
-        launch = hopper_forward.plan_hopper_forward(q, k, v, out, lse, causal, 0.1, None, None, Target.of(q),
-                                                   default_registry(), case.packed())
+        scratch = ScratchSet(q.device)
+        call = ForwardCall(q, k, v, out, lse, causal, 0.1, packed=case.packed())
+        (launch,) = hopper_family.plan_forward(call, Target.of(q), default_registry(), scratch)
         assert launch.entry.descriptor["packed"]
-        (counter,) = launch.keep_alive
+        counter = scratch.tensors["tile_counter"]
         assert launch.params.tile_counter == counter.data_ptr() and launch.params.row_shift == 0
         assert launch.params.batch == len(case.lengths_q) and launch.params.seqlen_q == case.max_q
         assert launch.params.total_q == case.q.shape[0] and launch.params.cu_seqlens_q == case.cu_q.data_ptr()
@@ -284,7 +287,7 @@ def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape, backend):
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("order", ["heads", "batch"])
 def test_hopper_tile_orders_on_packed_batches(order, causal, dims, force_tile_order):
-    """The hopper forward's tile orders for broadcast biases (forced; flashkiln.hopper_forward.tile_order)
+    """The hopper forward's tile orders for broadcast biases (forced; flashkiln.hopper_family.tile_order)
     on a packed batch with a bias broadcast along the innermost dim: query tiles past a shorter
     sequence's end are skipped in either order too."""
     _skip_unless_runs("hopper")
@@ -296,7 +299,7 @@ def test_hopper_tile_orders_on_packed_batches(order, causal, dims, force_tile_or
     out, lse = _forward(case, causal, bias, None, "hopper")
     _check_forward(case, out, lse, causal, bias, None,
                    _repro("test_hopper_tile_orders_on_packed_batches", order=order, causal=causal, dims=dims))
-    assert [launch.params.tile_order for launch in plans] == [forced]
+    assert [launches[0].params.tile_order for launches in plans] == [forced]
 
 
 def test_varlen_attention_autograd_and_compile():

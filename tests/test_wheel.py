@@ -88,7 +88,7 @@ def test_installed_wheel_dispatches_without_generator_dependencies(venv):
         request = dict(kernel="fwd", family="portable", dtype="bf16", d_qk=32, d_v=32, causal="bottom_right",
                        bias="none", deterministic=False)
         entry = registry.find(request, (9, 0))
-        registry.launch(entry, 0, (9, 0), (1, 1, 1), FwdParams(), 0)
+        registry.driver.launch(registry.load(entry, 0, (9, 0)).handle, (1, 1, 1), (entry.threads, 1, 1), entry.smem_bytes, 0, FwdParams())
         assert entry.arch == "sm_90a" and len(registry.driver.named("load_library")) == 1
         loaded = sorted(m for m in {GENERATOR_MODULES!r} if m in sys.modules)
         print("generator modules loaded:", loaded)

@@ -16,7 +16,7 @@ struct FwdParams {
   uint64_t lse;  // float (batch, heads_q, seqlen_q), dense; natural log
   uint64_t bias;  // additive score bias (batch, heads_q, seqlen_q, seqlen_k) by strides, or 0
   uint64_t sink;  // float (heads_q,): each head's sink logit, in every row's softmax denominator, or 0
-  uint64_t cu_seqlens_q, cu_seqlens_k;  // int (batch + 1,) for packed batches (sequence.hpp), or 0
+  uint64_t cu_seqlens_q, cu_seqlens_k;  // int (batch + 1,) for packed batches (common/sequence.hpp), or 0
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;
@@ -34,7 +34,7 @@ struct BwdParams {
   uint64_t q, k, v, o, dout;  // inputs, (batch, heads, seqlen, dim) by strides
   uint64_t lse;               // float (batch, heads_q, seqlen_q) or packed (heads_q, total_q), from the forward
   uint64_t delta;             // float, as lse: rowsum(dO * O)
-  uint64_t dq_accum;          // float (.., dq_accum_rows, d_qk) dense (sequence.hpp); 0 when unused
+  uint64_t dq_accum;          // float (.., dq_accum_rows, d_qk) dense (common/sequence.hpp); 0 when unused
   uint64_t dq, dk, dv;        // outputs by strides (dk/dv when heads_q == heads_kv)
   uint64_t dk_accum, dv_accum;  // float (batch, heads_q, seqlen_k, d) or (heads_q, total_k, d): per query head (GQA)
   uint64_t dq_semaphore;      // int (batch, heads_q, seqlen_q_rounded / tile_m), zeroed (ordered route)
@@ -55,7 +55,7 @@ struct BwdParams {
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
   int64_t bias_batch_stride, bias_head_stride, bias_row_stride;
-  int64_t dq_accum_rows;      // rows of dq_accum per head (sequence.hpp)
+  int64_t dq_accum_rows;      // rows of dq_accum per head (common/sequence.hpp)
   int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;  // as in FwdParams
   int32_t total_q, total_k;
   int32_t seqlen_q_rounded;  // seqlen_q rounded up to kDqAccumRowAlign: the dQ semaphores' rows

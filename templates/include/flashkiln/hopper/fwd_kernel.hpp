@@ -10,13 +10,13 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
-#include <flashkiln/common.hpp>
-#include <flashkiln/hopper/epilogue.hpp>
-#include <flashkiln/hopper/mainloop.hpp>
-#include <flashkiln/hopper/params.hpp>
+#include <flashkiln/common/math.hpp>
+#include <flashkiln/hopper/fwd_epilogue.hpp>
+#include <flashkiln/hopper/fwd_mainloop.hpp>
+#include <flashkiln/hopper/fwd_params.hpp>
+#include <flashkiln/hopper/fwd_traits.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
 #include <flashkiln/hopper/tile_scheduler.hpp>
-#include <flashkiln/hopper/traits.hpp>
 
 namespace flashkiln::hopper {
 

@@ -14,7 +14,7 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
-#include <flashkiln/shared_access.hpp>
+#include <flashkiln/common/shared_access.hpp>
 
 namespace flashkiln::hopper {
 

@@ -13,15 +13,15 @@
 // the tail.
 #pragma once
 
-#include <flashkiln/common.hpp>
-#include <flashkiln/hopper/params.hpp>
+#include <flashkiln/common/math.hpp>
+#include <flashkiln/hopper/fwd_params.hpp>
 
 namespace flashkiln::hopper {
 
 struct WorkTile {
   int row0;  // the tile's first query row in its sequence: negative where the grid starts above it
   int head, batch;
-  // Of the tile's sequence (sequence.hpp), filled in by the producer: its lengths (packed batches
+  // Of the tile's sequence (common/sequence.hpp), filled in by the producer: its lengths (packed batches
   // only: see seqlens), its first query and key tokens, and the batch entry of the tensors it
   // lies in (0 for a packed batch).
   int seqlen_q, seqlen_k;

@@ -7,9 +7,10 @@
 
 #include <cute/tensor.hpp>
 
-#include <flashkiln/common.hpp>
+#include <flashkiln/common/math.hpp>
+#include <flashkiln/common/sequence.hpp>
+#include <flashkiln/common/visibility.hpp>
 #include <flashkiln/params.hpp>
-#include <flashkiln/sequence.hpp>
 #include <flashkiln/portable/bwd_tiles.hpp>
 #include <flashkiln/portable/bwd_traits.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
@@ -37,9 +38,12 @@ __device__ __forceinline__ void bwd_dq_kernel(BwdParams const& p) {
   }
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int64_t bh = int64_t(batch) * p.heads_q + head;
-  const int causal_offset = T::kCausal == Causal::bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
-  const int n_end =
-      visiting_key_tiles<T::kCausal, kBlockM, kBlockN>(m_block, ceil_div(seq.seqlen_k, kBlockN), causal_offset);
+  // The key tiles that visited this query tile: those its whole rows see (the dual of the main
+  // kernel's visiting_query_tiles), from tile 0.
+  const auto vis = visibility<T::kCausal>(seq.seqlen_q, seq.seqlen_k);
+  const TileRange keys = visible_key_tiles<kBlockN>(vis, m_block * kBlockM, (m_block + 1) * kBlockM,
+                                                    ceil_div(seq.seqlen_k, kBlockN));
+  const int n_end = keys.end;
 
   auto k_base = reinterpret_cast<Element const*>(p.k) + seq.k_offset(p.k_batch_stride, p.k_row_stride) +
                 head_kv * p.k_head_stride;

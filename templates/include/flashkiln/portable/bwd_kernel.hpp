@@ -10,13 +10,15 @@
 #include <cuda/atomic>
 #include <cute/tensor.hpp>
 
-#include <flashkiln/common.hpp>
+#include <flashkiln/common/fragment.hpp>
+#include <flashkiln/common/masking.hpp>
+#include <flashkiln/common/math.hpp>
+#include <flashkiln/common/sequence.hpp>
+#include <flashkiln/common/visibility.hpp>
 #include <flashkiln/params.hpp>
-#include <flashkiln/sequence.hpp>
 #include <flashkiln/portable/bias.hpp>
 #include <flashkiln/portable/bwd_tiles.hpp>
 #include <flashkiln/portable/bwd_traits.hpp>
-#include <flashkiln/portable/masking.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
 
 namespace flashkiln::portable {
@@ -68,10 +70,12 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
     return;
   }
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  const int causal_offset = T::kCausal == Causal::bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
+  const auto vis = visibility<T::kCausal>(seq.seqlen_q, seq.seqlen_k);
   const int k_rows = min(kBlockN, seq.seqlen_k - n_block * kBlockN);
-  const int m_blocks = ceil_div(seq.seqlen_q, kBlockM);
-  const int m_begin = first_query_tile<T::kCausal, kBlockM, kBlockN>(n_block, causal_offset);
+  // The query tiles that see this key tile; they run to the last one.
+  const TileRange queries = visiting_query_tiles<kBlockM, kBlockN>(vis, n_block, ceil_div(seq.seqlen_q, kBlockM));
+  const int m_begin = queries.first;
+  const int m_blocks = queries.end;
   const int64_t bh = int64_t(batch) * p.heads_q + head;
 
   // ---- global tensors ---------------------------------------------------------------------------
@@ -208,12 +212,13 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
     return acc_dq;
   };
   // Key tiles add into a query tile's dQ in a fixed order, from its last visiting key tile down
-  // to tile 0: every tile below a visiting one visits too (visibility is monotone in the key
-  // index), so waiting for n_last - n_block earlier additions is exact. Under a causal mask tile
-  // n + 1 starts n's query tiles' sweep earlier, so in steady state nobody waits; without a mask
-  // the CTAs of a head fall into a one-step lag behind each other.
+  // to tile 0: the key tiles that visit it are visible_key_tiles of its whole rows (the dual of
+  // visiting_query_tiles), which start at tile 0, so waiting for n_last - n_block earlier
+  // additions is exact. Under a causal mask tile n + 1 starts n's query tiles' sweep earlier, so
+  // in steady state nobody waits; without a mask the CTAs of a head fall into a one-step lag
+  // behind each other.
   auto add_dq_in_order = [&](int m_block, auto const& acc_dq) {
-    const int n_last = visiting_key_tiles<T::kCausal, kBlockM, kBlockN>(m_block, n_tiles, causal_offset) - 1;
+    const int n_last = visible_key_tiles<kBlockN>(vis, m_block * kBlockM, (m_block + 1) * kBlockM, n_tiles).end - 1;
     cuda::atomic_ref<int, cuda::thread_scope_device> turn(
         reinterpret_cast<int*>(p.dq_semaphore)[bh * (p.seqlen_q_rounded / kBlockM) + m_block]);
     if (tidx == 0) {
@@ -330,9 +335,8 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
 
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
-      if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, seq.seqlen_k,
-                                                   causal_offset)) {
-        mask_scores<T::kCausal>(s, tScS, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k, causal_offset);
+      if (needs_mask<kBlockN>(vis, m_block * kBlockM, n_block * kBlockN)) {
+        mask_scores(s, tScS, vis, m_block * kBlockM, n_block * kBlockN);
       }
       // P = exp(scale * s - lse) and dS = P (dP - delta), in place of the accumulators; with
       // dSink asked for, also this thread's share of sum p_sink * P * dP. When the CTA holds every

@@ -8,8 +8,8 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include <flashkiln/common/sequence.hpp>
 #include <flashkiln/params.hpp>
-#include <flashkiln/sequence.hpp>
 
 namespace flashkiln::portable {
 

@@ -1,39 +1,15 @@
-// Which (query tile, key tile) pairs the backward's main kernel visits, and where the
-// workspace route keeps dS. The main kernel (one CTA per key tile)
-// and the dQ kernel (one CTA per query tile) both derive their loops from here, so the dQ kernel
-// reads exactly the dS tiles the main kernel wrote.
+// Where the workspace route keeps dS: the main kernel (one CTA per key tile) writes the tiles of
+// the pairs it visits (common/visibility.hpp, visiting_query_tiles) and the dQ kernel (one CTA
+// per query tile) reads those of the dual rule, visible_key_tiles over whole query tiles, so it
+// reads exactly the tiles written.
 #pragma once
 
 #include <cute/tensor.hpp>
 
-#include <flashkiln/common.hpp>
+#include <flashkiln/common/math.hpp>
 #include <flashkiln/params.hpp>
 
 namespace flashkiln::portable {
-
-// The first query tile that sees a key of key tile `n_block` (query i sees key j iff
-// j <= i + causal_offset); every later query tile sees one too.
-template <Causal kCausal, int kBlockM, int kBlockN>
-__device__ __forceinline__ int first_query_tile(int n_block, int causal_offset) {
-  if constexpr (kCausal == Causal::none) {
-    return 0;
-  } else {
-    const int first_row = n_block * kBlockN - causal_offset;
-    return first_row <= 0 ? 0 : first_row / kBlockM;
-  }
-}
-
-// How many key tiles (0, 1, ...) visit query tile `m_block`: those with
-// first_query_tile(n) <= m_block, i.e. n * kBlockN < (m_block + 1) * kBlockM + causal_offset.
-template <Causal kCausal, int kBlockM, int kBlockN>
-__device__ __forceinline__ int visiting_key_tiles(int m_block, int n_tiles, int causal_offset) {
-  if constexpr (kCausal == Causal::none) {
-    return n_tiles;
-  } else {
-    const int bound = (m_block + 1) * kBlockM + causal_offset;
-    return bound <= 0 ? 0 : min(n_tiles, ceil_div(bound, kBlockN));
-  }
-}
 
 // The dS workspace of the workspace route: dense (batch * heads_q, seqlen_q, ld) row-major, with
 // rows padded to whole 16-byte pieces (ld = seqlen_k rounded up to 8 elements), so that dBias of

@@ -6,7 +6,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
-#include <flashkiln/common.hpp>
+#include <flashkiln/common/visibility.hpp>
 #include <flashkiln/portable/tile_traits.hpp>
 
 namespace flashkiln::portable {

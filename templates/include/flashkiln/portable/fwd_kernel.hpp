@@ -5,13 +5,15 @@
 
 #include <cute/tensor.hpp>
 
-#include <flashkiln/common.hpp>
+#include <flashkiln/common/fragment.hpp>
+#include <flashkiln/common/masking.hpp>
+#include <flashkiln/common/math.hpp>
+#include <flashkiln/common/online_softmax.hpp>
+#include <flashkiln/common/sequence.hpp>
+#include <flashkiln/common/visibility.hpp>
 #include <flashkiln/params.hpp>
-#include <flashkiln/sequence.hpp>
 #include <flashkiln/portable/bias.hpp>
 #include <flashkiln/portable/fwd_traits.hpp>
-#include <flashkiln/portable/masking.hpp>
-#include <flashkiln/portable/online_softmax.hpp>
 #include <flashkiln/portable/tile_ops.hpp>
 
 namespace flashkiln::portable {
@@ -37,16 +39,13 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
     return;  // a packed batch's grid covers its longest sequence
   }
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  // Key j is visible to query i iff j <= i + causal_offset.
-  const int causal_offset = T::kCausal == Causal::bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
+  const auto vis = visibility<T::kCausal>(seq.seqlen_q, seq.seqlen_k);
   const int q_rows = min(kBlockM, seq.seqlen_q - m_block * kBlockM);
 
-  // Key tiles this query tile needs: all of them, or those up to the last visible key.
-  int n_blocks = ceil_div(seq.seqlen_k, kBlockN);
-  if constexpr (kIsCausal) {
-    const int last_visible = m_block * kBlockM + q_rows - 1 + causal_offset;
-    n_blocks = last_visible < 0 ? 0 : min(n_blocks, last_visible / kBlockN + 1);
-  }
+  // The key tiles this query tile's rows see; they start at tile 0.
+  const int n_tiles = ceil_div(seq.seqlen_k, kBlockN);
+  const TileRange keys = visible_key_tiles<kBlockN>(vis, m_block * kBlockM, m_block * kBlockM + q_rows, n_tiles);
+  const int n_blocks = keys.end;
 
   // ---- global tensors for this (sequence, head) --------------------------------------------
   auto q_base = reinterpret_cast<Element const*>(p.q) + seq.q_offset(p.q_batch_stride, p.q_row_stride) +
@@ -182,10 +181,8 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
         }
       }
 
-      if (needs_mask<T::kCausal, kBlockM, kBlockN>(m_block * kBlockM, n_block * kBlockN, seq.seqlen_k,
-                                                   causal_offset)) {
-        mask_scores<T::kCausal>(rowcol(acc_s), tScS, m_block * kBlockM, n_block * kBlockN, seq.seqlen_k,
-                                causal_offset);
+      if (needs_mask<kBlockN>(vis, m_block * kBlockM, n_block * kBlockN)) {
+        mask_scores(rowcol(acc_s), tScS, vis, m_block * kBlockM, n_block * kBlockN);
       }
 
       if constexpr (T::kStages == 1) {

@@ -1,9 +1,8 @@
 // Register- and shared-memory-level building blocks of the portable family: fragment layout
-// views, quad reductions, predicated tile copies and the two GEMM shapes of attention.
+// views, predicated tile copies and the two GEMM shapes of attention.
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_conversion.h>
 
 namespace flashkiln::portable {
 
@@ -31,27 +30,6 @@ __device__ __forceinline__ constexpr auto acc_as_operand_a(Layout const& acc) {
 template <class Tensor>
 __device__ __forceinline__ auto rowcol(Tensor&& t) {
   return make_tensor(t.data(), rowcol_view(t.layout()));
-}
-
-// The four threads of a quad (lanes 4g..4g+3) hold the columns of the same accumulator rows.
-template <class Op>
-__device__ __forceinline__ float quad_allreduce(float x, Op op) {
-  x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
-  x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
-  return x;
-}
-
-// Element-wise conversion of a register fragment (fp32 accumulators to fp16/bf16) into a new
-// owning fragment of the same layout, using the paired cvt instructions.
-template <class To, class Tensor>
-__device__ __forceinline__ auto convert_fragment(Tensor const& src) {
-  using From = typename cute::remove_cvref_t<Tensor>::value_type;
-  constexpr int N = decltype(size(src))::value;
-  auto dst = make_tensor<To>(src.layout());
-  cutlass::NumericArrayConverter<To, From, N> convert;
-  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
-      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
-  return dst;
 }
 
 // Copy the rows of a (CPY, CPY_ROWS, CPY_COLS) partition whose row coordinate (from the

@@ -10,7 +10,7 @@
 
 #include <cuda/std/cstdint>
 
-#include <flashkiln/common.hpp>
+#include <flashkiln/common/math.hpp>
 
 namespace flashkiln {
 

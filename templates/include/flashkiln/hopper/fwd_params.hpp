@@ -22,7 +22,7 @@ struct HopperFwdParams {
   TmaDescriptor tma_bias;
   uint64_t lse;   // float (batch, heads_q, seqlen_q), or packed (heads_q, total_q), dense; natural log
   uint64_t sink;  // float (heads_q,), or 0
-  // Packed batches (sequence.hpp): int (batch + 1,) sequence bounds, or 0 when dense. The maps
+  // Packed batches (common/sequence.hpp): int (batch + 1,) sequence bounds, or 0 when dense. The maps
   // then cover the (1, heads, total, d) token tensors and tiles address rows from a sequence's
   // first token; O's rows that end a sequence go out through `o` (the epilogue), since a TMA
   // store clips only at the tensor's end and would overwrite the next sequence.

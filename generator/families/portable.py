@@ -1,38 +1,11 @@
-"""What each kernel family's templates need from a descriptor, and which tunings they accept.
-
-A family module answers three questions for a descriptor: which template renders it, what the
-template's parameters are (all derived from the descriptor), and whether its performance fields
-fit the code and the target (threads, shared memory). The C++ side static_asserts the threads
-and shared-memory bytes computed here, so the two formulas cannot drift apart.
-"""
+"""The portable family: mma.sync kernels (templates/include/flashkiln/portable), for sm_80 and later."""
 from __future__ import annotations
-
-from typing import Any, Protocol
 
 from flashkiln.archs import ARCHS
 from flashkiln.descriptor import VariantDescriptor
 from flashkiln.params import DQ_ACCUM_ROW_ALIGN
 
-_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
-_ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
-
-
-class Family(Protocol):
-    def template_name(self, d: VariantDescriptor) -> str: ...
-
-    def threads(self, d: VariantDescriptor) -> int: ...
-
-    def smem_bytes(self, d: VariantDescriptor) -> int: ...
-
-    def functional_errors(self, d: VariantDescriptor) -> list[str]: ...
-
-    def tuning_errors(self, d: VariantDescriptor) -> list[str]: ...
-
-    def template_context(self, d: VariantDescriptor) -> dict[str, Any]: ...
-
-    # Kernels whose tile_m and tile_n must equal another kernel's for the same arch and head
-    # dims (the tuning table is checked against this): kernel -> the kernel it follows.
-    shared_tiles: dict[str, str]
+from .base import ELEMENT_BYTES, Family, smem_limit_errors
 
 
 def _row_warps(rows: int, cols: tuple[int, ...], warps: int) -> int:
@@ -48,23 +21,20 @@ def _gmem_rows_per_pass(threads: int, dim: int) -> int:
     return threads // ((64 if dim % 64 == 0 else 32) // 8)
 
 
-class PortableFamily:
-    """mma.sync kernels (templates/include/flashkiln/portable), for sm_80 and later."""
+class PortableFamily(Family):
+    """The forward and every backward kernel, on any target (all are sm_80 or later)."""
 
-    _TEMPLATES = {"fwd": "portable_fwd.cu.j2", "bwd": "portable_bwd.cu.j2", "bwd_dq": "portable_bwd_dq.cu.j2",
-                  "bwd_pre": "portable_bwd_rows.cu.j2", "bwd_post": "portable_bwd_rows.cu.j2"}
+    name = "portable"
+    archs = tuple(ARCHS)
+    arch_needs = "mma.sync and cp.async"
+    kernels = {"fwd": "portable_fwd.cu.j2", "bwd_pre": "portable_bwd_rows.cu.j2", "bwd": "portable_bwd.cu.j2",
+               "bwd_post": "portable_bwd_rows.cu.j2", "bwd_dq": "portable_bwd_dq.cu.j2"}
     ROW_KERNELS = ("bwd_pre", "bwd_post")
     # bwd_dq reads the dS tiles that bwd writes, tile by tile.
     shared_tiles = {"bwd_dq": "bwd"}
 
-    def template_name(self, d: VariantDescriptor) -> str:
-        return self._TEMPLATES[d.kernel]
-
-    def threads(self, d: VariantDescriptor) -> int:
-        return 32 * d.warps
-
     def smem_bytes(self, d: VariantDescriptor) -> int:
-        elem = _ELEMENT_BYTES[d.dtype]
+        elem = ELEMENT_BYTES[d.dtype]
         bias_tile = d.tile_m * d.tile_n if d.bias != "none" else 0
         if d.kernel == "fwd":
             # Q (reused for O), then `stages` buffers of one K and one V tile, then one bias tile.
@@ -78,8 +48,7 @@ class PortableFamily:
             return elem * d.stages * (d.tile_m * d.tile_n + d.tile_n * d.d_qk)
         return 0
 
-    def functional_errors(self, d: VariantDescriptor) -> list[str]:
-        """Combinations of functional fields the kernel does not implement."""
+    def combination_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
         if d.kernel != "bwd" and d.deterministic:
             errors.append(f"deterministic=true: {d.kernel} is deterministic by construction; only bwd has the axis")
@@ -93,7 +62,6 @@ class PortableFamily:
         return errors
 
     def tuning_errors(self, d: VariantDescriptor) -> list[str]:
-        """Performance fields that the kernel's code or the target's shared memory cannot take."""
         if d.kernel in self.ROW_KERNELS:
             return self._row_tuning_errors(d)
         return self._tile_tuning_errors(d)
@@ -155,30 +123,3 @@ class PortableFamily:
                 errors.append(f"tile {d.tile_m}x{d.tile_n} with {d.warps} warps does not split the {what} "
                               f"accumulator ({rows} x {'/'.join(map(str, cols))}) into 16 x 16 warp tiles")
         return errors
-
-    def template_context(self, d: VariantDescriptor) -> dict[str, Any]:
-        return kernel_context(self, d)
-
-
-def smem_limit_errors(d: VariantDescriptor, smem: int) -> list[str]:
-    """The error of a tile whose `smem` bytes of shared memory exceed what d.arch gives a block."""
-    limit = ARCHS[d.arch].max_smem_per_block
-    if smem <= limit:
-        return []
-    return [f"tile {d.tile_m}x{d.tile_n} with {d.stages} stage(s) needs {smem} bytes of shared memory at "
-            f"d_qk={d.d_qk}, d_v={d.d_v}; {d.arch} allows {limit}"]
-
-
-def kernel_context(family: Family, d: VariantDescriptor) -> dict[str, Any]:
-    """What every family's kernel templates read besides the descriptor."""
-    return {
-        "element": _ELEMENT[d.dtype],
-        "causal": d.causal,
-        "threads": family.threads(d),
-        "smem_bytes": family.smem_bytes(d),
-    }
-
-
-from .hopper_family import HopperFamily  # noqa: E402 (it reads this module's element tables)
-
-FAMILIES: dict[str, Family] = {"portable": PortableFamily(), "hopper": HopperFamily()}

@@ -9,13 +9,13 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include <flashkiln/common.hpp>
+#include <flashkiln/common/fragment.hpp>
+#include <flashkiln/common/math.hpp>
+#include <flashkiln/hopper/fwd_params.hpp>
 #include <flashkiln/hopper/mma.hpp>
-#include <flashkiln/hopper/params.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
-#include <flashkiln/hopper/tile_scheduler.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
-#include <flashkiln/portable/tile_ops.hpp>
+#include <flashkiln/hopper/tile_scheduler.hpp>
 
 namespace flashkiln::hopper {
 
@@ -58,7 +58,7 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   float lse[kRows];
   const float sink = p.sink != 0 ? reinterpret_cast<float const*>(p.sink)[w.head] : -kInfinity;
   softmax.finalize(rowcol(acc_o), p.scale, sink, lse);
-  Tensor rO = portable::convert_fragment<Element>(acc_o);
+  Tensor rO = convert_fragment<Element>(acc_o);
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kDimV>>{}));
   const bool in_stage = !T::kOwnO && last_stage >= 0;
   const bool leader = thread % 128 == 0;

@@ -2,13 +2,13 @@
 // swizzled, as TMA writes them and wgmma reads them), the two warpgroup MMAs and the byte counts
 // the pipeline expects per TMA load. With kBias, a (tile_m, tile_n) tile of the additive bias
 // rides in every K/V stage, with barriers of its own. With kPacked, the kernel runs packed
-// variable-length batches (sequence.hpp) and only those; without, dense ones only.
+// variable-length batches (common/sequence.hpp) and only those; without, dense ones only.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
-#include <flashkiln/common.hpp>
+#include <flashkiln/common/visibility.hpp>
 
 namespace flashkiln::hopper {
 
@@ -26,7 +26,7 @@ struct FwdTraits {
   static constexpr Causal kCausal = kCausal_;
   static constexpr bool kBias = kBias_;
   static constexpr bool kPacked = kPacked_;
-  static constexpr int kRecordInts = kPacked ? 7 : 4;  // mainloop.hpp, TileRecord
+  static constexpr int kRecordInts = kPacked ? 7 : 4;  // fwd_mainloop.hpp, TileRecord
 
   // One producer warpgroup (a single thread issues the TMA loads), then one consumer warpgroup
   // per 64 query rows of the tile.
@@ -46,7 +46,7 @@ struct FwdTraits {
   static constexpr int kTurns = kPingPong ? kConsumerWarpgroups : 1;  // 1: no turns
   // Under a causal mask each consumer warpgroup may skip the key tiles its own 64 rows cannot see
   // (the tile's last, which run first), though the tile's lower rows need them; it only releases
-  // their stages and passes their turns (mainloop.hpp). It does where the top warpgroup skips a
+  // their stages and passes their turns (fwd_mainloop.hpp). It does where the top warpgroup skips a
   // key tile in most work tiles, (kBlockM - 64) / kBlockN > 1/2: 192 x 128 (d 64: +3% at S 1k)
   // and 128 x 80 (d 256: +1.5-2.5% at S 1-2k). At d 128 (128 x 160: 2 tiles in 5; 128 x 128:
   // every tile or none, by the rows' alignment) it measured 1% slower at S 1-2k (docs/perf.md,
@@ -54,7 +54,7 @@ struct FwdTraits {
   static constexpr bool kSkipHidden = kCausal != Causal::none && 2 * (kBlockM - 64) > kBlockN;
   static constexpr int kMaxSkipped = kSkipHidden ? (kBlockM - 64 + kBlockN - 1) / kBlockN : 0;
   // The online softmax rescales O only when a row maximum outgrows its reference by 2^8
-  // (portable/online_softmax.hpp): +1-2.5% at d_v 128 and 256; at d_v 64, with 32 accumulators
+  // (common/online_softmax.hpp): +1-2.5% at d_v 128 and 256; at d_v 64, with 32 accumulators
   // of O per thread, the warp vote costs more than the multiplications it skips (-4-7%).
   static constexpr bool kLazyRescale = kDimV >= 128;
   // Where the bias joins the scores: as S's initial value, written before the S GEMM is issued
@@ -130,7 +130,7 @@ struct FwdTraits {
     uint64_t k_empty[kStages];    // the consumers finished reading the stage's K
     uint64_t v_empty[kStages];    // ... and its V
     uint64_t stage_read;          // every consumer finished its tile's last GEMMs (O staged in that stage)
-    // The work tile of the slot's Q (mainloop.hpp, TileRecord), decoded by the producer (valid
+    // The work tile of the slot's Q (fwd_mainloop.hpp, TileRecord), decoded by the producer (valid
     // once the slot's q_full completes).
     int tile[kQSlots][kRecordInts];
     cute::conditional_t<kBias, BiasRing, NoBias> bias;

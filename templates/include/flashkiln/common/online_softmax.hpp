@@ -4,12 +4,10 @@
 
 #include <cute/tensor.hpp>
 
-#include <flashkiln/common.hpp>
-#include <flashkiln/portable/tile_ops.hpp>
+#include <flashkiln/common/fragment.hpp>
+#include <flashkiln/common/math.hpp>
 
-namespace flashkiln::portable {
-
-using namespace cute;
+namespace flashkiln {
 
 template <int kRows, bool kLazyRescale = false>
 struct OnlineSoftmax {
@@ -51,7 +49,7 @@ struct OnlineSoftmax {
   // the first key tiles is rare: the multiplications over o are skipped otherwise.
   template <bool kFirstTile, class TensorS>
   __device__ __forceinline__ bool exponentiate(TensorS&& s, float scale_log2, float (&rescale)[kRows]) {
-    static_assert(decltype(size<0>(s))::value == kRows);
+    static_assert(decltype(cute::size<0>(s))::value == kRows);
     constexpr bool kLazy = kLazyRescale && !kFirstTile;
     float new_max[kRows];
     bool outgrown = false;
@@ -59,7 +57,7 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       float tile_max = row_max[r];
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
+      for (int c = 0; c < cute::size<1>(s); ++c) {
         tile_max = fmaxf(tile_max, s(r, c));
       }
       new_max[r] = quad_allreduce(tile_max, [](float a, float b) { return fmaxf(a, b); });
@@ -86,7 +84,7 @@ struct OnlineSoftmax {
       const float max_scaled = row_max[r] == -kInfinity ? 0.f : row_max[r] * scale_log2;
       float sum = 0.f;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
+      for (int c = 0; c < cute::size<1>(s); ++c) {
         const float p = exp2f(fmaf(s(r, c), scale_log2, -max_scaled));
         s(r, c) = p;
         sum += p;
@@ -108,7 +106,7 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(o); ++c) {
+      for (int c = 0; c < cute::size<1>(o); ++c) {
         o(r, c) *= rescale[r];
       }
     }
@@ -134,11 +132,11 @@ struct OnlineSoftmax {
       const float inv = empty ? 0.f : kept / sum;
       lse[r] = empty ? -kInfinity : top + logf(sum);
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(o); ++c) {
+      for (int c = 0; c < cute::size<1>(o); ++c) {
         o(r, c) *= inv;
       }
     }
   }
 };
 
-}  // namespace flashkiln::portable
+}  // namespace flashkiln

@@ -6,18 +6,18 @@
 
 #include <cute/tensor.hpp>
 
-#include <flashkiln/common.hpp>
-#include <flashkiln/hopper/epilogue.hpp>
+#include <flashkiln/common/fragment.hpp>
+#include <flashkiln/common/math.hpp>
+#include <flashkiln/common/online_softmax.hpp>
+#include <flashkiln/common/sequence.hpp>
+#include <flashkiln/common/visibility.hpp>
+#include <flashkiln/hopper/fwd_epilogue.hpp>
+#include <flashkiln/hopper/fwd_params.hpp>
+#include <flashkiln/hopper/fwd_score_mask.hpp>
 #include <flashkiln/hopper/mma.hpp>
-#include <flashkiln/hopper/params.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
-#include <flashkiln/hopper/score_mask.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
 #include <flashkiln/hopper/tile_scheduler.hpp>
-#include <flashkiln/portable/masking.hpp>
-#include <flashkiln/portable/online_softmax.hpp>
-#include <flashkiln/portable/tile_ops.hpp>
-#include <flashkiln/sequence.hpp>
 
 namespace flashkiln::hopper {
 
@@ -35,7 +35,7 @@ __device__ __forceinline__ TileScheduler<T::kCausal != Causal::none> make_schedu
           T::kCausal != Causal::none ? p.row_shift : 0, T::kBias ? p.tile_order : int(kQueryTilesInner)};
 }
 
-// The tile's sequence: its lengths and where its tokens lie (sequence.hpp).
+// The tile's sequence: its lengths and where its tokens lie (common/sequence.hpp).
 template <class T>
 __device__ __forceinline__ WorkTile in_sequence(HopperFwdParams const& p, WorkTile w) {
   if constexpr (T::kPacked) {
@@ -81,23 +81,25 @@ struct TileRecord {
   }
 };
 
+// The visibility rule of the tile's sequence (common/visibility.hpp).
+template <class T>
+__device__ __forceinline__ Visibility<T::kCausal> visibility_of(HopperFwdParams const& p, WorkTile const& w) {
+  const int2 len = seqlens<T::kPacked>(p, w);
+  return visibility<T::kCausal>(len.x, len.y);
+}
+
 // Key tiles the `rows` query rows from row0 of the tile's sequence need (the tile's own, by
-// default): all of them, or those up to their last visible key (0: none).
+// default), rows past the sequence end left out: the count of visible_key_tiles, which start at
+// tile 0 (0: none).
 template <class T>
 __device__ __forceinline__ int key_tiles(HopperFwdParams const& p, WorkTile const& w, int row0,
                                          int rows = T::kBlockM) {
   const int2 len = seqlens<T::kPacked>(p, w);
-  int n_blocks = ceil_div(len.y, T::kBlockN);
-  if constexpr (T::kCausal != Causal::none) {
-    const int causal_offset = T::kCausal == Causal::bottom_right ? len.y - len.x : 0;
-    const int last_row = min(len.x, row0 + rows) - 1;
-    const int last_visible = last_row + causal_offset;
-    n_blocks = last_visible < 0 ? 0 : min(n_blocks, last_visible / T::kBlockN + 1);
-  }
-  return n_blocks;
+  const int n_tiles = ceil_div(len.y, T::kBlockN);
+  return visible_key_tiles<T::kBlockN>(visibility_of<T>(p, w), row0, min(len.x, row0 + rows), n_tiles).end;
 }
 
-// Key tiles consumer warpgroup `warpgroup` computes of work tile w (traits.hpp, kSkipHidden):
+// Key tiles consumer warpgroup `warpgroup` computes of work tile w (fwd_traits.hpp, kSkipHidden):
 // those its own 64 rows see, but at least the tile's last, which holds the tile's O stage and Q
 // release (a warpgroup whose rows see no key computes it fully masked).
 template <class T>
@@ -295,7 +297,6 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
 // a warpgroup starts a tile at the first key tile its own rows see (kSkipHidden).
 template <class T>
 __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::SharedStorage& ss, int thread) {
-  using portable::convert_fragment;
   typename T::TiledMmaS mma_s;
   typename T::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(thread);
@@ -426,11 +427,9 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   // Scores of key tile n_block to probabilities; O is rescaled (rescale_o) where `exponentiate`
   // asks for it, once no GEMM accumulates into it.
   auto to_probabilities = [&](auto first, Tile const& t, int n_block, auto& softmax) {
-    const int2 len = seqlens<T::kPacked>(p, t.w);
-    const int causal_offset = T::kCausal == Causal::bottom_right ? len.y - len.x : 0;
-    if (portable::needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(t.w.row0, n_block * T::kBlockN, len.y,
-                                                                causal_offset)) {
-      mask_scores<T::kCausal>(rowcol(acc_s), tScS, t.w.row0, n_block * T::kBlockN, len.y, causal_offset);
+    const auto vis = visibility_of<T>(p, t.w);
+    if (needs_mask<T::kBlockN>(vis, t.w.row0, n_block * T::kBlockN)) {
+      hopper::mask_scores(rowcol(acc_s), tScS, vis, t.w.row0, n_block * T::kBlockN);
     }
     return softmax.template exponentiate<decltype(first)::value>(rowcol(acc_s), p.scale_log2, rescale);
   };
@@ -439,7 +438,7 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   // Whether the previous tile's last turn already turned this tile's first key tile into
   // probabilities (in acc_s and softmax).
   bool started = false;
-  using Softmax = portable::OnlineSoftmax<kRows, T::kLazyRescale>;
+  using Softmax = OnlineSoftmax<kRows, T::kLazyRescale>;
   Softmax softmax;
   while (tile.valid) {
     if (!started) {

@@ -1,4 +1,4 @@
-"""The Hopper kernel family (templates/include/flashkiln/hopper): TMA + wgmma, sm_90a only.
+"""The hopper family (templates/include/flashkiln/hopper): TMA + wgmma, sm_90a only.
 
 One producer warpgroup and one consumer warpgroup per 64 query rows; K/V (and bias tiles, with a
 bias) stream through a ring of `stages` shared-memory buffers. The formulas here are
@@ -6,31 +6,26 @@ static_asserted by the C++ side (threads, shared-memory bytes), like the portabl
 """
 from __future__ import annotations
 
-from typing import Any
-
 from flashkiln.archs import ARCHS
 from flashkiln.descriptor import VariantDescriptor
+from flashkiln.tma import BOX_COLS as _BOX_COLS  # TMA box width in elements: one 128-byte swizzle atom
 
-# Imported by families.py after it defines these.
-from .families import _ELEMENT_BYTES, kernel_context, smem_limit_errors
+from .base import ELEMENT_BYTES, Family, smem_limit_errors
 
 # Shared memory beyond the tiles: the mbarriers (rounded up to the 1024-byte alignment of the
 # storage struct) and the slack for aligning the dynamic allocation to 1024 bytes.
 _BARRIER_BLOCK = 1024
 _ALIGN_SLACK = 1024 - 16
-_BOX_COLS = 64  # TMA box width in elements: one 128-byte swizzle atom
 
 
-class HopperFamily:
+class HopperFamily(Family):
     """Warp-specialized forward for sm_90a (hopper/fwd_kernel.hpp)."""
 
+    name = "hopper"
+    archs = ("sm_90a",)
+    arch_needs = "wgmma and setmaxnreg"
+    kernels = {"fwd": "hopper_fwd.cu.j2"}
     shared_tiles: dict[str, str] = {}
-
-    def template_name(self, d: VariantDescriptor) -> str:
-        return "hopper_fwd.cu.j2"
-
-    def threads(self, d: VariantDescriptor) -> int:
-        return 32 * d.warps
 
     def consumer_warpgroups(self, d: VariantDescriptor) -> int:
         return d.tile_m // 64
@@ -39,11 +34,11 @@ class HopperFamily:
         return self._smem_bytes(d, own_o=self.own_o_buffer(d), q_slots=self.q_slots(d))
 
     def own_o_buffer(self, d: VariantDescriptor) -> bool:
-        """O gets its own shared-memory buffer (Q's then loads early) wherever it fits (traits.hpp)."""
+        """O gets its own shared-memory buffer (Q's then loads early) wherever it fits (fwd_traits.hpp)."""
         return self._fits(self._smem_bytes(d, own_o=True, q_slots=1), d)
 
     def q_slots(self, d: VariantDescriptor) -> int:
-        """Two Q buffers (the next tile's Q loads a tile ahead) where they fit beside O's own (traits.hpp)."""
+        """Two Q buffers (the next tile's Q loads a tile ahead) where they fit beside O's own (fwd_traits.hpp)."""
         two = self.consumer_warpgroups(d) == 3 and self.own_o_buffer(d)
         return 2 if two and self._fits(self._smem_bytes(d, own_o=True, q_slots=2), d) else 1
 
@@ -52,19 +47,15 @@ class HopperFamily:
         return smem <= ARCHS[d.arch].max_smem_per_block
 
     def _smem_bytes(self, d: VariantDescriptor, own_o: bool, q_slots: int) -> int:
-        elem = _ELEMENT_BYTES[d.dtype]
+        elem = ELEMENT_BYTES[d.dtype]
         bias = d.bias != "none"
         tiles = elem * (q_slots * d.tile_m * d.d_qk + d.stages * d.tile_n * (d.d_qk + d.d_v)
                         + own_o * d.tile_m * d.d_v + bias * d.stages * d.tile_m * d.tile_n)
         # The bias ring's barriers take a block of their own (after its 1024-byte aligned tiles).
         return tiles + _BARRIER_BLOCK * (1 + bias) + _ALIGN_SLACK
 
-    def functional_errors(self, d: VariantDescriptor) -> list[str]:
+    def combination_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
-        if d.kernel != "fwd":
-            errors.append(f"kernel={d.kernel}: the hopper family has only the forward (fwd)")
-        if d.arch != "sm_90a":
-            errors.append(f"arch={d.arch}: the hopper family needs wgmma and setmaxnreg: sm_90a only")
         if d.deterministic:
             errors.append("deterministic=true: only bwd has the axis")
         for name, dim in (("d_qk", d.d_qk), ("d_v", d.d_v)):
@@ -91,6 +82,3 @@ class HopperFamily:
         if d.stages < 2:
             errors.append(f"stages={d.stages}: the K/V ring needs at least 2 buffers")
         return errors + smem_limit_errors(d, self.smem_bytes(d))
-
-    def template_context(self, d: VariantDescriptor) -> dict[str, Any]:
-        return kernel_context(self, d)

@@ -1,0 +1,95 @@
+"""The hopper family's planner: the warp-specialized TMA + wgmma forward (sm_90a; hopper/fwd_*.hpp).
+
+It has no backward kernels yet: the backward of a call whose forward ran here runs on the
+portable family (flashkiln.families). Of a variant's several tunings it takes the one
+flashkiln.tile_choice estimates fastest for the call's shape.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import tile_choice, tma
+from .bias import KernelBias
+from .calls import ForwardCall
+from .errors import UnsupportedError
+from .launch import KernelLaunch, ScratchSet, Target, ceil_div
+from .params import BATCH_INNER, HEADS_INNER, QUERY_TILES_INNER, HopperFwdParams
+from .registry import KernelRegistry
+
+NAME = "hopper"
+CAPABILITY = (9, 0)
+
+
+def runs_on(capability: tuple[int, int]) -> str | None:
+    """Why the family cannot run on `capability` (None: it can, given its variants)."""
+    if capability != CAPABILITY:
+        return (f"the hopper backend needs compute capability {CAPABILITY[0]}.{CAPABILITY[1]} "
+                f"(sm_90a), this GPU has {capability[0]}.{capability[1]}")
+    return None
+
+
+# Rows of one TMA store of O: each consumer warpgroup writes its own 64 rows.
+_O_BOX_ROWS = 64
+
+
+def tile_order(bias: KernelBias | None, bias_map: tma.BiasMap, batch: int, l2_bytes: int) -> int:
+    """The hopper forward's tile order for a call: query tiles innermost, so that the CTAs in flight
+    share one head's K and V, unless a bias broadcast over heads or batches would then stream from
+    HBM again for each of them. Heads run innermost where a bias shared across heads has an
+    (S_q, S_k) plane that does not fit in L2; batch entries where a bias shared across them does
+    not fit in L2 (all its heads). Then the CTAs in flight read the same bias tiles. Measured on an
+    H200 (docs/perf.md, v15)."""
+    if bias is None:
+        return QUERY_TILES_INNER
+    _, heads, rows, cols = bias.tensor.shape
+    plane = (rows if bias_map.row_step else 1) * cols * bias.tensor.element_size()
+    if bias_map.head_step == 0 and plane > l2_bytes:
+        return HEADS_INNER
+    if bias_map.batch_step == 0 and batch > 1 and plane * (heads if bias_map.head_step else 1) > l2_bytes:
+        return BATCH_INNER
+    return QUERY_TILES_INNER
+
+
+def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
+                 scratch: ScratchSet) -> list[KernelLaunch]:
+    """The persistent Hopper forward for the call; UnsupportedError where TMA cannot address its
+    tensors. A packed batch's tile is chosen for its longest sequences."""
+    q, k, v, out = call.q, call.k, call.v, call.out
+    hq = q.shape[1]
+    shape = call.shape
+    sq, sk = shape.seqlen_q, shape.seqlen_k
+    entry = tile_choice.choose(registry.tunings(call.request(NAME), target.capability), sq, sk)
+    tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
+    if sk == 0:
+        raise UnsupportedError("the hopper forward needs at least one key")
+    bias = call.bias
+    bias_map = tma.encode_bias(bias.tensor, tile_m) if bias is not None else tma.BiasMap.none()
+    num_m_blocks = ceil_div(sq, tile_m)
+    # A packed batch's sequences end at different rows: its grid starts at row 0.
+    shift_rows = 0 if call.causal == "none" or call.packed is not None else tile_choice.HOPPER_CAUSAL_SHIFT_ROWS
+    row_shift = tile_choice.causal_row_shift(sq, tile_m, shift_rows)
+    # Causal tiles differ in length, and so do a packed batch's (its sequences do): CTAs claim them
+    # from a counter (zeroed for each call, on its stream) instead of a fixed round robin, which
+    # left some CTAs mostly long ones.
+    if call.causal != "none" or call.packed is not None:
+        scratch.take("tile_counter", (1,), torch.int32, zeroed=True)
+    else:
+        scratch.absent("tile_counter")
+    maps = {"tma_q": (q, tile_m), "tma_k": (k, tile_n), "tma_v": (v, tile_n), "tma_o": (out, _O_BOX_ROWS)}
+    params = HopperFwdParams(
+        **{name: tma.encode(t, rows) for name, (t, rows) in maps.items()},
+        o_row_stride=out.stride(2), o_head_stride=out.stride(1),
+        heads_q=hq, heads_kv=k.shape[1], **shape.params(), num_m_blocks=num_m_blocks, row_shift=row_shift,
+        scale=call.scale, scale_log2=call.scale * math.log2(math.e),
+        tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step, bias_head_step=bias_map.head_step,
+        bias_batch_step=bias_map.batch_step,
+        tile_order=tile_order(bias, bias_map, shape.batch, target.l2_bytes),
+    )
+    roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_o": "o", **({"tma_bias": "bias"} if bias else {})}
+    tensors = {**call.tensors(), **scratch.tensors}
+    tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
+    # Persistent: one CTA per SM (each takes all of an SM's registers).
+    grid = (min(num_m_blocks * hq * shape.batch, target.multiprocessors), 1, 1)
+    return [KernelLaunch.planned(entry, grid, params, tensors, tensor_maps)]
