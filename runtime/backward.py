@@ -66,7 +66,7 @@ class BackwardPlan(CallPlan):
             q, k, v, out, dout = (inputs.kernel_layout(t) for t in (q, k, v, out, dout))
         call = BackwardCall(dout, q, k, v, out, lse, *kernel_grads, self.causal, self.scale, self.deterministic,
                             kernel_bias, self.bias_grad, packed, dlse, kernel_sink, self.sink_parts)
-        run(self.registry, self.target, self.launches, {**call.tensors(), **scratch}, self.kernels)
+        run(self, {**call.tensors(), **scratch})
         if scratch.get("dk_accum") is not None:
             # GQA: sum each group's per-query-head gradients (a fixed-order, deterministic reduction).
             layout_batches, hkv = k.shape[:2]

@@ -57,7 +57,7 @@ class ForwardPlan(CallPlan):
             tensors = forward_tensors(q, k, v, kernel_out, lse, kernel_bias, kernel_sink, packed)
             if self.scratch:
                 tensors.update(allocate_all(self.scratch, q.device))
-            run(self.registry, self.target, self.launches, tensors, self.kernels)
+            run(self, tensors)
             if kernel_out is not out:
                 out.copy_(kernel_out[..., :d_v])
         if packed is not None:

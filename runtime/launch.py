@@ -118,6 +118,7 @@ class CallPlan:
 
 
 def load_kernels(registry: KernelRegistry, target: Target, launches: tuple[KernelLaunch, ...]) -> tuple[Any, ...]:
+    """The launches' kernels, loaded (and configured for the target) when a plan is made."""
     return tuple(registry.load(launch.entry, target.device, target.capability) for launch in launches)
 
 
@@ -148,25 +149,20 @@ def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-def run(registry: KernelRegistry, target: Target, launches: tuple[KernelLaunch, ...] | list[KernelLaunch],
-        tensors: Mapping[str, torch.Tensor | None] | None = None, kernels: tuple[Any, ...] | None = None) -> None:
-    """Launch in order on the current stream (kernels of one call are ordered by that stream);
-    with `tensors`, each launch's block is patched to point at them first. `kernels`: the launches'
-    loaded kernels (registry.load), where the caller holds them."""
+def run(plan: CallPlan, tensors: Mapping[str, torch.Tensor | None]) -> None:
+    """Launch the plan's kernels in order on the current stream (kernels of one call are ordered
+    by that stream), each launch's block patched to point at `tensors` first."""
+    target = plan.target
     if torch.cuda.current_device() != target.device:
         with torch.cuda.device(target.device):
-            return run(registry, target, launches, tensors, kernels)
-    driver = registry.driver
+            return run(plan, tensors)
+    driver = plan.registry.driver
     stream = _current_stream(target.device)
     driver.bind_context(target.device)
-    if kernels is None:
-        kernels = load_kernels(registry, target, tuple(launches))
     bound: dict[int, ctypes.Structure] = {}  # launches that share a parameter block share its binding
-    for launch, kernel in zip(launches, kernels):
-        params = launch.params
-        if tensors is not None:
-            params = bound.get(id(launch.params))
-            if params is None:
-                params = bound[id(launch.params)] = launch.bound(tensors, driver.replace_tensor_map_address)
+    for launch, kernel in zip(plan.launches, plan.kernels):
+        params = bound.get(id(launch.params))
+        if params is None:
+            params = bound[id(launch.params)] = launch.bound(tensors, driver.replace_tensor_map_address)
         driver.launch(kernel.handle, launch.grid, (launch.entry.threads, 1, 1), launch.entry.smem_bytes, stream,
                       params)
