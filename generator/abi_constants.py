@@ -21,7 +21,7 @@ class Constant:
 def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constant]]:
     """The constants of a unit whose headers declare them: "unit" at namespace scope, "traits" once
     per variant beside its traits. Every unit includes common/sequence.hpp; the hopper forward
-    also hopper/tile_scheduler.hpp and hopper/fwd_traits.hpp."""
+    also hopper/tile_scheduler.hpp and hopper/fwd_traits.hpp, its backward hopper/bwd_traits.hpp."""
     unit = [Constant("flashkiln::kDqAccumRowAlign", DQ_ACCUM_ROW_ALIGN, "flashkiln.params.DQ_ACCUM_ROW_ALIGN")]
     traits = []
     if family == "hopper" and kernel == "fwd":
@@ -31,6 +31,12 @@ def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constan
             Constant("int(flashkiln::hopper::kHeadsInner)", HEADS_INNER, "flashkiln.params.HEADS_INNER"),
             Constant("int(flashkiln::hopper::kBatchInner)", BATCH_INNER, "flashkiln.params.BATCH_INNER"),
         ]
+        traits += [
+            Constant("Traits::kBoxCols", BOX_COLS, "flashkiln.tma.BOX_COLS"),
+            Constant("Traits::kMaxSmemBytes", ARCHS[arch].max_smem_per_block,
+                     f"flashkiln.archs.ARCHS['{arch}'].max_smem_per_block"),
+        ]
+    if family == "hopper" and kernel == "bwd":
         traits += [
             Constant("Traits::kBoxCols", BOX_COLS, "flashkiln.tma.BOX_COLS"),
             Constant("Traits::kMaxSmemBytes", ARCHS[arch].max_smem_per_block,

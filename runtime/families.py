@@ -34,7 +34,8 @@ class Family:
 
 # In auto's order of preference.
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family(hopper_family.NAME, hopper_family.runs_on, {"forward": hopper_family.plan_forward}),
+    Family(hopper_family.NAME, hopper_family.runs_on,
+           {"forward": hopper_family.plan_forward, "backward": hopper_family.plan_backward}),
     Family(portable_family.NAME, portable_family.runs_on,
            {"forward": portable_family.plan_forward, "backward": portable_family.plan_backward}),
 )}

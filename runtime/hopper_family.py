@@ -1,8 +1,10 @@
-"""The hopper family's planner: the warp-specialized TMA + wgmma forward (sm_90a; hopper/fwd_*.hpp).
+"""The hopper family's planners: the warp-specialized TMA + wgmma kernels of sm_90a.
 
-It has no backward kernels yet: the backward of a call whose forward ran here runs on the
-portable family (flashkiln.families). Of a variant's several tunings it takes the one
-flashkiln.tile_choice estimates fastest for the call's shape.
+Forward (hopper/fwd_*.hpp): of a variant's several tunings it takes the one flashkiln.tile_choice
+estimates fastest for the call's shape. Backward (hopper/bwd_*.hpp): the portable family's
+preprocess (delta, the dQ accumulator zeroed), the main kernel (a CTA per key tile and query
+head), then its own postprocess; dense batches without bias, dSink or a deterministic dQ (those
+plan on the portable family: flashkiln.families falls back where this planner refuses).
 """
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ import math
 
 import torch
 
-from . import tile_choice, tma
+from . import dq_routes, inputs, portable_family, tile_choice, tma
 from .bias import KernelBias
-from .calls import ForwardCall
+from .calls import BackwardCall, ForwardCall
 from .errors import UnsupportedError
-from .launch import KernelLaunch, ScratchSet, Target, ceil_div
-from .params import BATCH_INNER, HEADS_INNER, QUERY_TILES_INNER, HopperFwdParams
+from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
+from .params import (BATCH_INNER, DQ_ACCUM_ROW_ALIGN, HEADS_INNER, QUERY_TILES_INNER, BwdParams, HopperBwdParams,
+                     HopperFwdParams)
 from .registry import KernelRegistry
 
 NAME = "hopper"
@@ -93,3 +96,61 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
     # Persistent: one CTA per SM (each takes all of an SM's registers).
     grid = (min(num_m_blocks * hq * shape.batch, target.multiprocessors), 1, 1)
     return [KernelLaunch.planned(entry, grid, params, tensors, tensor_maps)]
+
+
+def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
+                  scratch: ScratchSet) -> BackwardLaunches:
+    """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
+    lacks (a packed batch, dSink's per-key-tile sums, a forced dQ route other than atomic) and
+    where TMA cannot address the tensors.
+
+    Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
+    kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
+    (GQA: fp32 per query head, summed over each group afterwards)."""
+    if call.packed is not None:
+        raise UnsupportedError("the hopper backward takes dense batches only")
+    if call.sink_parts:
+        raise UnsupportedError("the hopper backward does not sum the sink's per-key-tile terms (dSink)")
+    forced = dq_routes.forced_route(call.deterministic)
+    if forced not in (None, "atomic"):
+        raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: the hopper backward adds dQ atomically")
+    q, k, v = call.q, call.k, call.v
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    main = registry.find(call.request(NAME), target.capability)
+    pre = registry.find(call.kernel_request("bwd_pre", portable_family.NAME), target.capability)
+    post = registry.find(call.kernel_request("bwd_post", NAME), target.capability)
+    tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
+    maps = {"tma_q": (q, tile_m), "tma_k": (k, tile_n), "tma_v": (v, tile_n), "tma_do": (call.dout, tile_m)}
+    encoded = {name: tma.encode(t, rows) for name, (t, rows) in maps.items()}  # UnsupportedError first
+    sq_rounded = ceil_div(sq, DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
+    f32 = torch.float32
+    scratch.take("delta", (b, hq, sq), f32)
+    scratch.take("dq_accum", (b, hq, sq_rounded, d), f32)
+    for role in ("dq_semaphore", "ds_workspace", "dsink_parts"):
+        scratch.absent(role)
+    if hq != hkv:
+        scratch.take("dk_accum", (b, hq, sk, d), f32)
+        scratch.take("dv_accum", (b, hq, sk, d), f32)
+    else:
+        scratch.absent("dk_accum")
+        scratch.absent("dv_accum")
+    shape = call.shape
+    scale_log2 = call.scale * math.log2(math.e)
+    rows = BwdParams(
+        **inputs.stride_fields("o", call.out), **inputs.stride_fields("do", call.dout),
+        **inputs.stride_fields("dq", call.dq), heads_q=hq, heads_kv=hkv, **shape.params(),
+        seqlen_q_rounded=sq_rounded, dq_accum_rows=sq_rounded, scale=call.scale, scale_log2=scale_log2)
+    params = HopperBwdParams(
+        **encoded, **inputs.stride_fields("dk", call.dk),
+        **inputs.stride_fields("dv", call.dv), dq_accum_rows=sq_rounded, batch=b, heads_q=hq, heads_kv=hkv,
+        seqlen_q=sq, seqlen_k=sk, scale=call.scale, scale_log2=scale_log2)
+    tensors = {**call.tensors(), **scratch.tensors}
+    roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout"}
+    tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
+    launches = [
+        KernelLaunch.planned(pre, (ceil_div(sq_rounded, pre.descriptor["tile_m"]), hq, b), rows, tensors),
+        KernelLaunch.planned(main, (ceil_div(sk, tile_n), hq, b), params, tensors, tensor_maps),
+        KernelLaunch.planned(post, (ceil_div(sq, post.descriptor["tile_m"]), hq, b), rows, tensors),
+    ]
+    return BackwardLaunches(launches, "atomic")

@@ -58,6 +58,15 @@ class KernelLaunch:
         return params
 
 
+@dataclass(frozen=True)
+class BackwardLaunches:
+    """A backward planner's result (every family's): its launches in order, preprocess first, main
+    kernel second, then what turns dQ's accumulator into dQ."""
+
+    launches: list[KernelLaunch]
+    route: str  # how dQ is accumulated: one of dq_routes.ROUTES
+
+
 def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 

@@ -130,6 +130,29 @@ class HopperFwdParams(ctypes.Structure):
     ]
 
 
+class HopperBwdParams(ctypes.Structure):
+    """The Hopper backward main kernel's block (templates/include/flashkiln/hopper/bwd_params.hpp): the
+    tensor maps first, the size padded to a multiple of 64 (their alignment)."""
+
+    _fields_ = [
+        ("tma_q", TmaDescriptor),
+        ("tma_k", TmaDescriptor),
+        ("tma_v", TmaDescriptor),
+        ("tma_do", TmaDescriptor),
+        *((name, ctypes.c_uint64) for name in ("lse", "delta", "dq_accum", "dk", "dv", "dk_accum", "dv_accum")),
+        *_strides("dk", "dv"),
+        ("dq_accum_rows", ctypes.c_int64),
+        ("batch", ctypes.c_int32),
+        ("heads_q", ctypes.c_int32),
+        ("heads_kv", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("scale_log2", ctypes.c_float),
+        ("_pad", ctypes.c_int32 * 13),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+    ]
+
+
 # Which parameter struct each kernel takes: C++ type name and its ctypes mirror.
 PARAMS_BY_KERNEL: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "fwd": ("flashkiln::FwdParams", FwdParams),
@@ -141,6 +164,7 @@ PARAMS_BY_KERNEL: dict[str, tuple[str, type[ctypes.Structure]]] = {
 # Families whose kernels take another struct than PARAMS_BY_KERNEL's: (family, kernel) -> struct.
 PARAMS_BY_FAMILY_KERNEL: dict[tuple[str, str], tuple[str, type[ctypes.Structure]]] = {
     ("hopper", "fwd"): ("flashkiln::HopperFwdParams", HopperFwdParams),
+    ("hopper", "bwd"): ("flashkiln::HopperBwdParams", HopperBwdParams),
 }
 
 

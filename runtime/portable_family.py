@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-
 import torch
 
 from . import dq_routes, inputs
 from .bias import ds_row_elements
 from .calls import BackwardCall, ForwardCall
 from .errors import UnsupportedError, VariantNotFoundError
-from .launch import KernelLaunch, ScratchSet, Target, ceil_div
+from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
 from .manifest import KernelEntry
 from .params import DQ_ACCUM_ROW_ALIGN, BwdParams, FwdParams
 from .registry import KernelRegistry
@@ -47,12 +45,6 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
     )
     grid = (ceil_div(shape.seqlen_q, entry.descriptor["tile_m"]), q.shape[1], shape.batch)
     return [KernelLaunch.planned(entry, grid, params, call.tensors())]
-
-
-@dataclass(frozen=True)
-class BackwardLaunches:
-    launches: list[KernelLaunch]  # preprocess, main, then postprocess or (workspace route) the dQ kernel
-    route: str  # how dQ is accumulated: one of dq_routes.ROUTES
 
 
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,

@@ -34,16 +34,34 @@ def hopper(**overrides) -> VariantDescriptor:
 def test_default_hopper_specs_cover_the_forward_contract():
     # First tunings only (a variant's others are chosen per call by shape).
     variants = [v.descriptor for v in load_variants(REPO / "specs")
-                if v.descriptor.family == "hopper" and v.relative_speed == 1]
-    assert {(d.kernel, d.arch) for d in variants} == {("fwd", "sm_90a")}
+                if v.descriptor.family == "hopper" and v.relative_speed == 1 and v.descriptor.kernel == "fwd"]
+    assert {d.arch for d in variants} == {"sm_90a"}
     assert {(d.d_qk, d.d_v) for d in variants} == {(64, 64), (128, 128), (192, 128), (256, 256)}
     assert {d.causal for d in variants} == {"none", "top_left", "bottom_right"}
     assert {d.dtype for d in variants} == {"fp16", "bf16"}
     assert all(not HOPPER.functional_errors(d) and not HOPPER.tuning_errors(d) for d in variants)
 
 
+def test_default_hopper_specs_cover_the_backward_contract():
+    variants = [v.descriptor for v in load_variants(REPO / "specs")
+                if v.descriptor.family == "hopper" and v.descriptor.kernel != "fwd"]
+    main = [d for d in variants if d.kernel == "bwd"]
+    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (128, 128)}
+    assert {d.causal for d in main} == {"none", "top_left", "bottom_right"}
+    assert {d.dtype for d in main} == {"fp16", "bf16"}
+    post = {(d.dtype, d.d_qk) for d in variants if d.kernel == "bwd_post"}
+    assert post == {(d.dtype, d.d_qk) for d in main}
+    assert all(not HOPPER.functional_errors(d) and not HOPPER.tuning_errors(d) for d in variants)
+
+
 @pytest.mark.parametrize("overrides, message", [
-    ({"kernel": "bwd"}, "only the forward"),
+    ({"kernel": "bwd", "bias": "additive", "tile_m": 64}, "no bias yet"),
+    ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "no fixed order"),
+    ({"kernel": "bwd", "packed": True, "tile_m": 64}, "dense batches only"),
+    ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64}, "head dims 64 and 128"),
+    ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
+    ({"kernel": "bwd_post", "causal": "top_left", "tile_m": 64}, "does not mask"),
+    ({"kernel": "bwd_pre"}, "the hopper family has only"),
     ({"arch": "sm_80"}, "sm_90a only"),
     ({"d_qk": 96, "d_v": 96}, "multiple of 64"),
     ({"d_qk": 128, "d_v": 256}, "staged in Q"),
@@ -94,7 +112,7 @@ def test_q_slots_only_with_three_consumer_warpgroups():
 def test_default_specs_give_biased_variants_their_own_tiles():
     # First tunings only (a variant's others are chosen per call by shape).
     variants = [v.descriptor for v in load_variants(REPO / "specs")
-                if v.descriptor.family == "hopper" and v.relative_speed == 1]
+                if v.descriptor.family == "hopper" and v.relative_speed == 1 and v.descriptor.kernel == "fwd"]
     biased = {d.d_qk: d.tile_n for d in variants if d.bias == "additive"}
     plain = {d.d_qk: d.tile_n for d in variants if d.bias == "none"}
     assert biased == {64: 128, 128: 128, 192: 64, 256: 64} and plain == {64: 128, 128: 160, 192: 128, 256: 80}
@@ -291,6 +309,11 @@ def test_explicit_backends(planned):
 
 
 def test_the_backward_dispatches_through_the_same_table(planned):
+    assert choose("backward", None, (9, 0)) == "hopper"
+    assert choose("backward", None, (9, 0), has=False) == "portable"
+    assert choose("backward", None, (8, 0)) == "portable"
+    assert choose("backward", "hopper", (9, 0)) == "hopper"
+    planned.refuse = True
     assert choose("backward", None, (9, 0)) == "portable"
-    with pytest.raises(UnsupportedError, match="the hopper family has no backward kernels"):
+    with pytest.raises(UnsupportedError, match="16-byte"):
         choose("backward", "hopper", (9, 0))

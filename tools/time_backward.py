@@ -3,7 +3,8 @@
 For A/B runs of two builds in one device call: run it once per tree (tools/pyenv.sh from each) and
 compare the `flashkiln / cudnn` ratios, which absorb the drift between the two processes. Timing:
 bench/bench.py's, with L2 flushed before each timed call.
-Usage: tools/pyenv.sh python3 tools/time_backward.py LABEL [--reps N] > out.json
+Usage: tools/pyenv.sh python3 tools/time_backward.py LABEL [--reps N] [--backend FAMILY] [--sweep] > out.json
+(--sweep: S 1k-16k at d 64 and 128 instead of the A/B cases.)
 """
 from __future__ import annotations
 
@@ -24,15 +25,19 @@ from bench import time_ms  # noqa: E402  (bench/ is a folder of scripts, not a p
 CASES = [(d, s, causal, variant) for d in (64, 128, 256) for s in (2048, 8192) for causal in (False, True)
          for variant in ("plain",)]
 CASES += [(128, 4096, causal, variant) for causal in (False, True) for variant in ("deterministic", "sink")]
+SWEEP = [(d, s, causal, "plain") for d in (64, 128) for causal in (False, True)
+         for s in (1024, 2048, 4096, 8192, 16384)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("label")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--backend", help="the backward's family (default: auto)")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     rows = []
-    for d, s, causal, variant in CASES:
+    for d, s, causal, variant in SWEEP if args.sweep else CASES:
         b, h = 16384 // s, 2048 // d
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -42,14 +47,16 @@ def main() -> None:
         out, lse = flashkiln.attention_forward(q, k, v, causal=mode, sink=sink, backend="portable")
         ours = time_ms(lambda: flashkiln.attention_backward(
             dout, q, k, v, out, lse, causal=mode, sink=sink, sink_grad=sink is not None,
-            deterministic=variant == "deterministic"), 3, args.reps, flush_l2=True)
+            deterministic=variant == "deterministic", backend=args.backend), 3, args.reps, flush_l2=True)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
             cudnn = time_ms(lambda: torch.autograd.grad(ref_out, leaves, dout, retain_graph=True), 3, args.reps,
                             flush_l2=True)
+        flops = 2.5 * 4 * b * h * d * (s * (s + 1) // 2 if causal else s * s)
         rows.append({"label": args.label, "d": d, "S": s, "causal": causal, "variant": variant, "ms": ours,
-                     "cudnn_ms": cudnn, "ratio": cudnn / ours})
+                     "cudnn_ms": cudnn, "ratio": cudnn / ours, "tflops": flops / ours / 1e9,
+                     "cudnn_tflops": flops / cudnn / 1e9})
         print(json.dumps(rows[-1]), flush=True)
 
 

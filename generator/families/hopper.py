@@ -1,8 +1,12 @@
 """The hopper family (templates/include/flashkiln/hopper): TMA + wgmma, sm_90a only.
 
-One producer warpgroup and one consumer warpgroup per 64 query rows; K/V (and bias tiles, with a
-bias) stream through a ring of `stages` shared-memory buffers. The formulas here are
-static_asserted by the C++ side (threads, shared-memory bytes), like the portable family's.
+Forward (hopper/fwd_*.hpp): one producer warpgroup and one consumer warpgroup per 64 query rows;
+K/V (and bias tiles, with a bias) stream through a ring of `stages` shared-memory buffers.
+Backward (hopper/bwd_*.hpp): a CTA per key tile of tile_n keys (one consumer warpgroup per 64),
+Q and dO of tile_m rows streaming through `stages` buffers; its postprocess (bwd_post) reads the
+main kernel's dQ accumulator, so it shares the main kernel's tiles. The preprocess is the portable
+family's (bwd_pre). The formulas here are static_asserted by the C++ side (threads, shared-memory
+bytes), like the portable family's.
 """
 from __future__ import annotations
 
@@ -18,20 +22,43 @@ _BARRIER_BLOCK = 1024
 _ALIGN_SLACK = 1024 - 16
 
 
+# The backward's query tiles: the rows of its dQ accumulator tiles (hopper/bwd_dq_tiles.hpp).
+_BWD_TILE_M = 64
+_BWD_TILE_N = 128  # two consumer warpgroups of 64 keys (hopper/bwd_traits.hpp)
+
+
 class HopperFamily(Family):
-    """Warp-specialized forward for sm_90a (hopper/fwd_kernel.hpp)."""
+    """Warp-specialized forward and backward for sm_90a (hopper/fwd_kernel.hpp, hopper/bwd_kernel.hpp)."""
 
     name = "hopper"
     archs = ("sm_90a",)
     arch_needs = "wgmma and setmaxnreg"
-    kernels = {"fwd": "hopper_fwd.cu.j2"}
-    shared_tiles: dict[str, str] = {}
+    kernels = {"fwd": "hopper_fwd.cu.j2", "bwd": "hopper_bwd.cu.j2", "bwd_post": "hopper_bwd_post.cu.j2"}
+    shared_tiles = {"bwd_post": "bwd"}
 
     def consumer_warpgroups(self, d: VariantDescriptor) -> int:
-        return d.tile_m // 64
+        return d.tile_m // 64 if d.kernel == "fwd" else d.tile_n // 64
 
     def smem_bytes(self, d: VariantDescriptor) -> int:
+        if d.kernel == "bwd":
+            return self._bwd_smem_bytes(d)
+        if d.kernel == "bwd_post":
+            return 0
         return self._smem_bytes(d, own_o=self.own_o_buffer(d), q_slots=self.q_slots(d))
+
+    def dq_parts(self, d: VariantDescriptor) -> int:
+        """dQ column parts per query tile: dq_tile_parts() in hopper/bwd_dq_tiles.hpp."""
+        warpgroups = self.consumer_warpgroups(d)
+        return warpgroups if d.d_qk // warpgroups >= 64 else 1
+
+    def _bwd_smem_bytes(self, d: VariantDescriptor) -> int:
+        """BwdTraits::SharedStorage: K, V, `stages` x (Q, dO), two dS buffers, each warpgroup's dQ
+        staging (fp32), then the row stats and barriers in a 1024-byte block, and the alignment slack."""
+        elem = ELEMENT_BYTES[d.dtype]
+        tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + 2 * d.tile_m * d.tile_n)
+        dq_staging = 4 * self.consumer_warpgroups(d) * d.tile_m * (d.d_qk // self.dq_parts(d))
+        stats_and_barriers = 2 * 2 * d.tile_m * 4 + 8 * (1 + 2 * d.stages)
+        return tiles + dq_staging + -(-stats_and_barriers // 1024) * 1024 + _ALIGN_SLACK
 
     def own_o_buffer(self, d: VariantDescriptor) -> bool:
         """O gets its own shared-memory buffer (Q's then loads early) wherever it fits (fwd_traits.hpp)."""
@@ -56,16 +83,38 @@ class HopperFamily(Family):
 
     def combination_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
-        if d.deterministic:
-            errors.append("deterministic=true: only bwd has the axis")
+        if d.kernel == "fwd" and d.deterministic:
+            errors.append("deterministic=true: the forward is deterministic by construction")
         for name, dim in (("d_qk", d.d_qk), ("d_v", d.d_v)):
             if dim % _BOX_COLS:
                 errors.append(f"{name}={dim}: must be a multiple of {_BOX_COLS} (whole 128-byte swizzle atoms)")
+        if d.kernel != "fwd":
+            return errors + self._bwd_combination_errors(d)
         if d.d_v > d.d_qk:
             errors.append(f"d_v={d.d_v} > d_qk={d.d_qk}: O is staged in Q's shared-memory buffer")
         return errors
 
+    def _bwd_combination_errors(self, d: VariantDescriptor) -> list[str]:
+        errors = []
+        if d.deterministic:
+            errors.append("deterministic=true: the hopper backward adds dQ in no fixed order; the portable "
+                          "family has the deterministic routes")
+        if d.bias != "none":
+            errors.append(f"bias={d.bias}: the hopper backward has no bias yet; the portable family has it")
+        if d.packed:
+            errors.append("packed=true: the hopper backward takes dense batches only")
+        if d.d_qk != d.d_v:
+            errors.append(f"d_qk={d.d_qk}, d_v={d.d_v}: the hopper backward needs equal head dims")
+        if d.d_qk not in (64, 128):
+            errors.append(f"d_qk={d.d_qk}: the hopper backward has head dims 64 and 128 (dK and dV of 64 keys "
+                          "stay in each consumer's registers)")
+        if d.kernel == "bwd_post" and d.causal != "none":
+            errors.append(f"causal={d.causal}: bwd_post does not mask; list it with causal: [none]")
+        return errors
+
     def tuning_errors(self, d: VariantDescriptor) -> list[str]:
+        if d.kernel != "fwd":
+            return self._bwd_tuning_errors(d)
         errors = []
         if d.tile_m not in (64, 128, 192):
             errors.append(f"tile_m={d.tile_m}: must be 64, 128 or 192 (64 rows per consumer warpgroup)")
@@ -81,4 +130,22 @@ class HopperFamily(Family):
                           f"{_BOX_COLS}-key TMA boxes)")
         if d.stages < 2:
             errors.append(f"stages={d.stages}: the K/V ring needs at least 2 buffers")
+        return errors + smem_limit_errors(d, self.smem_bytes(d))
+
+    def _bwd_tuning_errors(self, d: VariantDescriptor) -> list[str]:
+        errors = []
+        if (d.tile_m, d.tile_n) != (_BWD_TILE_M, _BWD_TILE_N):
+            errors.append(f"tile {d.tile_m}x{d.tile_n}: the hopper backward runs {_BWD_TILE_M} query rows by "
+                          f"{_BWD_TILE_N} keys (two consumer warpgroups of 64 keys; 64-row dQ tiles)")
+        if d.kernel == "bwd":
+            warps = 4 * (1 + _BWD_TILE_N // 64)
+            if d.warps != warps:
+                errors.append(f"warps={d.warps}: bwd needs {warps} (a producer warpgroup and two consumers)")
+            if d.stages < 2:
+                errors.append(f"stages={d.stages}: the Q/dO ring needs at least 2 buffers")
+        else:
+            if d.warps != 4:
+                errors.append(f"warps={d.warps}: bwd_post runs a thread per thread of an m64 wgmma fragment: 4")
+            if d.stages != 1:
+                errors.append(f"stages={d.stages}: bwd_post has none; must be 1")
         return errors + smem_limit_errors(d, self.smem_bytes(d))

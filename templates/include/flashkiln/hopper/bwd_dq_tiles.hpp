@@ -1,0 +1,43 @@
+// How the Hopper backward lays out its fp32 dQ accumulator: per (batch entry, head) and query tile
+// of kBlockM = 64 rows, kParts column parts of kCols = d / kParts columns, each part stored in the
+// register order of an m64 wgmma accumulator fragment (pairs of columns, thread-major), so that a
+// warpgroup stages its fragment in shared memory with conflict-free 8-byte stores and adds the
+// whole part with one bulk reduce (cp.reduce.async.bulk). The postprocess reads it back through
+// `offset`. Query tiles lie at 64-row steps of the head's rows (dq_accum_rows, rounded to
+// kDqAccumRowAlign, is a multiple of 64).
+#pragma once
+
+#include <flashkiln/common/sequence.hpp>
+
+namespace flashkiln::hopper {
+
+inline constexpr int kDqTileRows = 64;
+static_assert(kDqAccumRowAlign % kDqTileRows == 0, "a head's accumulator rows are whole query tiles");
+
+// Parts per query tile for a head dim and the warpgroups of the main kernel: one per warpgroup
+// where each gets whole 64-column boxes, else one (every warpgroup adds its keys' share to all
+// columns).
+__host__ __device__ constexpr int dq_tile_parts(int dim, int warpgroups) {
+  return dim / warpgroups >= 64 ? warpgroups : 1;
+}
+
+template <int kDim, int kParts>
+struct DqTileLayout {
+  static constexpr int kCols = kDim / kParts;
+  static constexpr int kPartFloats = kDqTileRows * kCols;
+  static constexpr int kTileFloats = kDqTileRows * kDim;
+
+  // Float index within a tile of its row r and column c. In an m64nN fp32 accumulator, thread t of
+  // the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+8) and columns 8 j + 2 (t % 4) (+1) of
+  // n8 group j, as its values 4 j + 2 (row + 8) + (column + 1); pair v / 2 of thread t lies at
+  // float2 index (v / 2) * 128 + t.
+  __host__ __device__ static constexpr int offset(int r, int c) {
+    const int part = c / kCols;
+    const int col = c % kCols;
+    const int t = 32 * (r / 16) + 4 * (r % 8) + (col % 8) / 2;
+    const int pair = 2 * (col / 8) + (r % 16) / 8;
+    return part * kPartFloats + (pair * 128 + t) * 2 + col % 2;
+  }
+};
+
+}  // namespace flashkiln::hopper

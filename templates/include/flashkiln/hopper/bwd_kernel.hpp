@@ -1,0 +1,293 @@
+// Hopper attention backward (sm_90a), the main kernel: a CTA per (key tile, query head, batch
+// entry), warp-specialized. Warpgroup 0 is the producer (one thread loads K and V once, then Q
+// and dO of every query tile that sees the key tile through a ring of kStages buffers); each
+// consumer warpgroup owns 64 keys, keeps their dK and dV in registers over the loop and adds
+// each query tile's dQ to an fp32 accumulator with bulk reduce-adds. Around it run the
+// preprocess (delta, the accumulator zeroed) and the postprocess (hopper/bwd_post.hpp). See
+// docs/design.md, "Hopper backward kernel".
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <flashkiln/common/fragment.hpp>
+#include <flashkiln/common/math.hpp>
+#include <flashkiln/common/visibility.hpp>
+#include <flashkiln/hopper/bwd_params.hpp>
+#include <flashkiln/hopper/bwd_traits.hpp>
+#include <flashkiln/hopper/mma.hpp>
+#include <flashkiln/hopper/pipeline.hpp>
+#include <flashkiln/hopper/swizzled_tile.hpp>
+
+namespace flashkiln::hopper {
+
+using namespace cute;
+
+// Named barriers (0 is __syncthreads'): every consumer thread, then one per consumer warpgroup.
+inline constexpr int kConsumersBarrier = 1;
+inline constexpr int kFirstWarpgroupBarrier = 2;
+
+// Adds `bytes` of fp32 from shared memory to global memory, as one asynchronous bulk operation of
+// the calling thread's bulk group (cute::tma_store_arrive commits it, tma_store_wait waits for its reads).
+__device__ __forceinline__ void bulk_reduce_add(float* global, uint32_t shared, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(global), "r"(shared), "r"(bytes) : "memory");
+}
+
+// The query tiles that see key tile n_block, of this CTA's sequence.
+template <class T>
+__device__ __forceinline__ TileRange query_tiles(HopperBwdParams const& p, int n_block) {
+  return visiting_query_tiles<T::kBlockM, T::kBlockN>(visibility<T::kCausal>(p.seqlen_q, p.seqlen_k), n_block,
+                                                      ceil_div(p.seqlen_q, T::kBlockM));
+}
+
+template <class T>
+__device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::SharedStorage& ss, int n_block,
+                                        int head, int batch) {
+  cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_q));
+  cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
+  cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
+  cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_do));
+  const int head_kv = head / (p.heads_q / p.heads_kv);
+  TxBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * T::kBytesK);
+  CUTE_UNROLL
+  for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
+    const int offset = c * T::kBlockN * T::kBoxCols;
+    tma_load(&p.tma_k, &ss.kv_full, ss.k + offset, c * T::kBoxCols, n_block * T::kBlockN, head_kv, batch);
+    tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kBoxCols, n_block * T::kBlockN, head_kv, batch);
+  }
+  const TileRange tiles = query_tiles<T>(p, n_block);
+  PipelineState<T::kStages> st;
+  for (int m = tiles.first; m < tiles.end; ++m) {
+    Barrier::wait(&ss.q_empty[st.stage], st.phase ^ 1);
+    TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], 2 * T::kBytesQ);
+    CUTE_UNROLL
+    for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
+      const int offset = st.stage * T::kElemsQ + c * T::kBlockM * T::kBoxCols;
+      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + offset, c * T::kBoxCols, m * T::kBlockM, head, batch);
+      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + offset, c * T::kBoxCols, m * T::kBlockM, head, batch);
+    }
+    st.advance();
+  }
+}
+
+// What consumer thread `thread` loads of query tile m's RowStats: threads [0, kBlockM) the LSE
+// (base 2) of one row each, the next kBlockM threads its delta, the others nothing.
+template <class T>
+__device__ __forceinline__ float row_stat(HopperBwdParams const& p, int thread, int m, int head, int batch) {
+  const int row = m * T::kBlockM + thread % T::kBlockM;
+  const bool lse = thread < T::kBlockM;
+  if (thread >= 2 * T::kBlockM) {
+    return 0.f;
+  }
+  if (row >= p.seqlen_q) {
+    return lse ? kInfinity : 0.f;  // P = 0 for rows past the sequence
+  }
+  const int64_t index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + row;
+  return lse ? reinterpret_cast<float const*>(p.lse)[index] * kLog2e : reinterpret_cast<float const*>(p.delta)[index];
+}
+
+template <class T>
+__device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int thread, float value) {
+  if (thread < T::kBlockM) {
+    stats.lse_log2[thread] = value;
+  } else if (thread < 2 * T::kBlockM) {
+    stats.delta[thread - T::kBlockM] = value;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::SharedStorage& ss, int thread,
+                                        int n_block, int head, int batch) {
+  using Element = typename T::Element;
+  const int warpgroup = thread / 128;
+  typename T::TiledMmaSdP mma_sdp;
+  typename T::TiledMmaKV mma_kv;
+  typename T::TiledMmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(thread);
+  auto thr_kv = mma_kv.get_thread_slice(thread);
+  auto thr_dq = mma_dq.get_thread_slice(T::kDqSplitKeys ? thread % 128 : thread);
+
+  // Shared-memory operands as (MMA, M or N, K[, stage]).
+  Tensor tSrK = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{}));
+  Tensor tSrQ = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQ{}));
+  Tensor tdPrV = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.v), typename T::SmemLayoutK{}));
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutQ{}));
+  Tensor tdVrdO = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutQt{}));
+  Tensor tdKrQ = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQt{}));
+  // dQ's operands: this warpgroup's keys of K (the key split), or all of them.
+  const int dq_key0 = T::kDqSplitKeys ? 64 * warpgroup : 0;
+  Tensor tdQrK = thr_dq.partition_fragment_B(
+      make_tensor(make_smem_ptr(ss.k + dq_key0 * T::kBoxCols), typename T::SmemLayoutKt{}));
+
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kBlockM>>{}));  // (key, row)
+  Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
+  Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
+  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<T::kBlockN>, Int<T::kDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<T::kBlockN>, Int<T::kDim>>{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<T::kBlockM>, Int<T::kDqCols * T::kDqParts>>{});
+  // P^T and dS^T in the element type, as the A operands of dV and dK.
+  Tensor p_regs = make_fragment_like<Element>(acc_s);
+  Tensor ds_regs = make_fragment_like<Element>(acc_dp);
+  Tensor tdVrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
+  Tensor tdKrdS = make_tensor(ds_regs.data(), acc_as_operand_a(ds_regs.layout()));
+
+  const auto vis = visibility<T::kCausal>(p.seqlen_q, p.seqlen_k);
+  const TileRange tiles = query_tiles<T>(p, n_block);
+  const int key0 = n_block * T::kBlockN;
+  float* const dq_stage = ss.dq + warpgroup * T::DqLayout::kPartFloats;
+  const uint32_t dq_stage_shared = cute::cast_smem_ptr_to_uint(dq_stage);
+  const int64_t dq_head_row = (int64_t(batch) * p.heads_q + head) * p.dq_accum_rows;
+  // This warpgroup's part of a query tile of the accumulator (the key split: all of it).
+  const int dq_part = T::kDqSplitKeys ? 0 : warpgroup;
+
+  clear(acc_dk);
+  clear(acc_dv);
+  if (tiles.first < tiles.end) {
+    store_row_stat<T>(ss.stats[0], thread, row_stat<T>(p, thread, tiles.first, head, batch));
+  }
+  named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  Barrier::wait(&ss.kv_full, 0);
+
+  PipelineState<T::kStages> st;
+  for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
+    const bool has_next = m + 1 < tiles.end;
+    // The next tile's LSE or delta, stored for it once this tile's are read (before the barrier).
+    const float next_stat = has_next ? row_stat<T>(p, thread, m + 1, head, batch) : 0.f;
+    typename T::RowStats const& stats = ss.stats[buffer];
+    const int row0 = m * T::kBlockM;
+
+    Barrier::wait(&ss.q_full[st.stage], st.phase);
+    wgmma_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.stage), acc_s);
+    wgmma_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.stage), acc_dp);
+    warpgroup_wait<1>();  // S^T
+
+    // P^T = exp(S^T * scale - LSE), 0 where the row does not see the key (or lies past the end).
+    const bool masked = row0 + T::kBlockM > p.seqlen_q || needs_mask<T::kBlockN>(vis, row0, key0);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) {
+      const int key = get<0>(cS(i));
+      const int row = get<1>(cS(i));
+      float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -stats.lse_log2[row]));
+      if (masked) {
+        const bool visible = row0 + row < p.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
+        prob = visible ? prob : 0.f;
+      }
+      acc_s(i) = prob;
+    }
+    p_regs = convert_fragment<Element>(acc_s);
+    wgmma_gemm<false>(mma_kv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
+    warpgroup_wait<1>();  // dP^T
+
+    // dS^T = P^T (dP^T - delta).
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dp); ++i) {
+      acc_dp(i) = acc_s(i) * (acc_dp(i) - stats.delta[get<1>(cS(i))]);
+    }
+    ds_regs = convert_fragment<Element>(acc_dp);
+    wgmma_gemm<false>(mma_kv, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
+    Element* const ds = ss.ds + buffer * T::kElemsdS;
+    store_fragment<T::kBlockN>(ds_regs, cS, cute::cast_smem_ptr_to_uint(ds));
+    if (has_next) {
+      store_row_stat<T>(ss.stats[buffer ^ 1], thread, next_stat);
+    }
+    cutlass::arch::fence_view_async_shared();  // dS, written by threads, is read by wgmma next
+    // Both warpgroups' dS are in (the column split reads both), and every read of this tile's stats is done.
+    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+
+    Tensor tdQrdS = thr_dq.partition_fragment_A(
+        make_tensor(make_smem_ptr(ds + dq_key0 * T::kBlockM), typename T::SmemLayoutdS{}));
+    wgmma_gemm<true>(mma_dq, tdQrdS, tdQrK, acc_dq);
+    warpgroup_wait<0>();
+    Barrier::arrive(&ss.q_empty[st.stage]);  // Q and dO of this stage are read
+    st.advance();
+
+    // dQ: staged in this warpgroup's buffer once its previous bulk add has read it, then added.
+    const int wg_barrier = kFirstWarpgroupBarrier + warpgroup;
+    if (thread % 128 == 0) {
+      cute::tma_store_wait<0>();
+    }
+    named_barrier_sync(wg_barrier, 128);
+    CUTE_UNROLL
+    for (int v = 0; v < size(acc_dq); v += 2) {
+      reinterpret_cast<float2*>(dq_stage)[(v / 2) * 128 + thread % 128] = make_float2(acc_dq(v), acc_dq(v + 1));
+    }
+    cutlass::arch::fence_view_async_shared();  // generic writes, read by the bulk copy
+    named_barrier_sync(wg_barrier, 128);
+    if (thread % 128 == 0) {
+      float* tile = reinterpret_cast<float*>(p.dq_accum) + (dq_head_row + row0) * T::kDim +
+                    dq_part * T::DqLayout::kPartFloats;
+      bulk_reduce_add(tile, dq_stage_shared, T::kBytesDqPart);
+      cute::tma_store_arrive();
+    }
+  }
+
+  // dK (scaled) and dV of this warpgroup's keys: in the element type by the output strides, or
+  // (GQA) in fp32 per query head, which the runtime sums over each group.
+  Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDim>>{}));
+  const bool gqa = p.dk_accum != 0;
+  const int head_kv = head / (p.heads_q / p.heads_kv);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); i += 2) {
+    const int key = key0 + get<0>(cKV(i));
+    const int col = get<1>(cKV(i));
+    if (key < p.seqlen_k) {
+      const float2 dk = make_float2(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
+      const float2 dv = make_float2(acc_dv(i), acc_dv(i + 1));
+      if (gqa) {
+        const int64_t index = ((int64_t(batch) * p.heads_q + head) * p.seqlen_k + key) * T::kDim + col;
+        *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dk_accum) + index) = dk;
+        *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dv_accum) + index) = dv;
+      } else {
+        auto pair = [](float2 x) {
+          cutlass::NumericArrayConverter<Element, float, 2> convert;
+          return convert(cutlass::Array<float, 2>{x.x, x.y});
+        };
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(
+            reinterpret_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride +
+            key * p.dk_row_stride + col) = pair(dk);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(
+            reinterpret_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride +
+            key * p.dv_row_stride + col) = pair(dv);
+      }
+    }
+  }
+  if (thread % 128 == 0) {
+    cute::tma_store_wait<0>();  // the staging buffer outlives the last bulk add's reads
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
+  using SharedStorage = typename T::SharedStorage;
+  extern __shared__ char smem_raw[];
+  const uint32_t misalignment = cute::cast_smem_ptr_to_uint(smem_raw) % 1024;
+  auto& ss = *reinterpret_cast<SharedStorage*>(smem_raw + (1024 - misalignment) % 1024);
+  const int n_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.kv_full, 1);
+    CUTE_UNROLL
+    for (int s = 0; s < T::kStages; ++s) {
+      Barrier::init(&ss.q_full[s], 1);
+      Barrier::init(&ss.q_empty[s], T::kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      produce<T>(p, ss, n_block, head, batch);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    consume<T>(p, ss, threadIdx.x - 128, n_block, head, batch);
+  }
+}
+
+}  // namespace flashkiln::hopper

@@ -1,0 +1,32 @@
+// Parameter block of the Hopper backward's main kernel, mirrored by HopperBwdParams in
+// runtime/params.py (each unit static_asserts every field's size and offset against it). The
+// preprocess and postprocess around it take BwdParams (params.hpp).
+#pragma once
+
+#include <cuda/std/cstdint>
+
+#include <flashkiln/hopper/fwd_params.hpp>
+
+namespace flashkiln {
+
+struct HopperBwdParams {
+  // 4-d maps (column, row, head, batch): Q and dO in boxes of a query tile's rows, K and V of a
+  // key tile's (TMA zero-fills rows past a sequence's end).
+  TmaDescriptor tma_q, tma_k, tma_v, tma_do;
+  uint64_t lse;    // float (batch, heads_q, seqlen_q): the forward's, natural log
+  uint64_t delta;  // float, as lse: rowsum(dO * O) - dLSE, from the preprocess
+  // float (batch, heads_q, dq_accum_rows, d): dQ / scale in query tiles of (hopper/bwd_dq_tiles.hpp)
+  // order, zeroed by the preprocess; the postprocess reads it back.
+  uint64_t dq_accum;
+  uint64_t dk, dv;              // (batch, heads_kv, seqlen_k, d) by strides, when heads_q == heads_kv
+  uint64_t dk_accum, dv_accum;  // float (batch, heads_q, seqlen_k, d): per query head (GQA), or 0
+  int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
+  int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
+  int64_t dq_accum_rows;  // per head: seqlen_q rounded up to kDqAccumRowAlign
+  int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  float scale;       // applied to Q K^T
+  float scale_log2;  // scale * log2(e)
+  int32_t _pad[13];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+};
+
+}  // namespace flashkiln

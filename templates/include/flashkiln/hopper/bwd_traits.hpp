@@ -1,0 +1,114 @@
+// Compile-time shape of one Hopper backward variant. A CTA owns one key tile of kBlockN keys (64
+// per consumer warpgroup) and loops over the query tiles of kBlockM rows that see it. Layouts are
+// 128-byte swizzled as TMA writes them and wgmma reads them.
+//
+// The five GEMMs per query tile, per consumer warpgroup (its 64 keys):
+//   S^T  = K Q^T     and   dP^T = V dO^T      shared-memory operands;
+//   dV  += P^T dO    and   dK  += dS^T Q      P^T and dS^T from registers (accumulator layout);
+//   dQ   = dS K      dS through shared memory, split between the warpgroups by dQ's columns
+//                    (each a whole 64-column box) or, where the head dim is one box, by keys.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include <flashkiln/common/visibility.hpp>
+#include <flashkiln/hopper/bwd_dq_tiles.hpp>
+
+namespace flashkiln::hopper {
+
+using namespace cute;
+
+template <class Element_, int kDim_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kDim = kDim_;  // d_qk == d_v
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr Causal kCausal = kCausal_;
+
+  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  // The producer (one thread issues every TMA load) hands its registers to the consumers, which
+  // hold dK and dV for the whole loop beside S, dP and dQ.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "setmaxnreg budgets exceed the CTA's registers");
+  static constexpr int kBoxCols = 64;  // TMA boxes: one 128-byte swizzle atom wide
+
+  static_assert(kBlockM == kDqTileRows, "query tiles are the dQ accumulator's 64-row tiles");
+  static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups of 64 keys each");
+  static_assert(kDim % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
+  static_assert(kStages >= 2, "at least a double-buffered Q/dO pipeline");
+
+  static constexpr int kDqParts = dq_tile_parts(kDim, kConsumerWarpgroups);
+  static constexpr bool kDqSplitKeys = kDqParts == 1;
+  static constexpr int kDqCols = kDim / kDqParts;                   // per warpgroup
+  static constexpr int kDqKeys = kDqSplitKeys ? 64 : kBlockN;       // keys of a warpgroup's dQ GEMM
+  static_assert(!kDqSplitKeys || kDim == kBoxCols, "the key split reads one box of K per warpgroup");
+  using DqLayout = DqTileLayout<kDim, kDqParts>;
+
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns
+  // Q and dO: (rows, d, stage); K and V: (keys, d).
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDim>, Int<kStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDim>>{}));
+  // Q and dO as the B operands of dK and dV: (d, rows, stage), d contiguous (MN-major).
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // K as dQ's B operand: (d, keys of the warpgroup's dQ GEMM).
+  using SmemLayoutKt = decltype(composition(
+      tile_to_shape(SmemAtom{}, Shape<Int<kDqKeys>, Int<kDim>>{}),
+      make_ordered_layout(Shape<Int<kDim>, Int<kDqKeys>>{}, Step<_2, _1>{})));
+  // dS as dQ's A operand: (query rows, keys), rows contiguous (MN-major); byte (key k, row r) at
+  // k * 128 + ((r / 8) ^ (k % 8)) * 16 + (r % 8) * 2, which is how a warpgroup stores its dS^T
+  // fragment (swizzled_tile.hpp, store_fragment, as a (keys, rows) tile).
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kDqKeys>>{}));
+
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kDim>>>(),
+      Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
+  using TiledMmaKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kDim>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
+  using TiledMmaDq = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDqCols>, Int<kDqKeys>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kDqParts>, _1>>{}));
+
+  static constexpr int kElemsQ = kBlockM * kDim;  // per stage, also dO
+  static constexpr int kElemsK = kBlockN * kDim;  // also V
+  static constexpr int kElemsdS = kBlockM * kBlockN;
+  static constexpr uint32_t kBytesQ = kElemsQ * sizeof(Element);
+  static constexpr uint32_t kBytesK = kElemsK * sizeof(Element);
+  static constexpr uint32_t kBytesDqPart = DqLayout::kPartFloats * sizeof(float);
+
+  // Per query tile: LSE (in base 2; +inf for rows past the sequence, whose P is then 0) and delta.
+  struct RowStats {
+    float lse_log2[kBlockM];
+    float delta[kBlockM];
+  };
+  struct SharedStorage {
+    alignas(1024) Element k[kElemsK];
+    alignas(1024) Element v[kElemsK];
+    alignas(1024) Element q[kStages * kElemsQ];
+    alignas(1024) Element dout[kStages * kElemsQ];
+    alignas(1024) Element ds[2 * kElemsdS];  // two buffers: a query tile's dS while the last one's dQ runs
+    alignas(1024) float dq[kConsumerWarpgroups * DqLayout::kPartFloats];  // each warpgroup's dQ for its bulk add
+    RowStats stats[2];
+    uint64_t kv_full;           // K and V landed
+    uint64_t q_full[kStages];   // Q and dO of the stage landed
+    uint64_t q_empty[kStages];  // every consumer finished the stage's GEMMs
+  };
+  static constexpr int kAlignSlack = 1024 - 16;  // the dynamic allocation starts 16-byte aligned
+  static constexpr int kMaxSmemBytes = 232448;   // sm_90a's opt-in limit per block
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kAlignSlack;
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory of the tiles");
+};
+
+}  // namespace flashkiln::hopper

@@ -1,0 +1,153 @@
+"""The Hopper backward on the GPU: both families forced by `backend=`, each against the fp32
+reference (FA-style(3)) and against each other; NaN-poisoned gradient buffers with canaries; which
+family auto takes, and where it falls back.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import pytest
+import torch
+
+import flashkiln
+from reference import GRAD_FLOOR, attention_grad_reference, check_grads_against, repro_line, seed_of
+
+pytestmark = pytest.mark.gpu
+_repro = partial(repro_line, "test_hopper_backward_gpu.py")
+
+FAMILIES = ("hopper", "portable")
+CAUSAL = (None, "top_left", "bottom_right")
+SEQLENS = [(1, 1), (2, 2), (7, 7), (17, 17), (113, 113), (129, 129), (1, 300), (300, 1), (17, 129), (129, 17),
+           (1000, 1000), (1023, 300), (300, 1023), (2048, 2048)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper family runs on compute capability 9.0")
+
+
+def _tensors(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, d: int, dtype: torch.dtype):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda h, s: torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
+    return make(hq, sq), make(hkv, sk), make(hkv, sk), make(hq, sq)
+
+
+class _FamilyLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.families: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("flashkiln backward: ") and " family, " in message:
+            self.families.append(message.split()[2])
+
+
+def _backward(dout, q, k, v, causal, backend, **kw):
+    """Gradients written into NaN buffers framed by NaN canary rows; the family that ran them."""
+    out, lse = flashkiln.attention_forward(q, k, v, causal=causal, **{n: kw[n] for n in ("bias", "sink") if n in kw})
+    storages = [torch.full((*t.shape[:2], t.shape[2] + 2, t.shape[3]), float("nan"), device="cuda", dtype=t.dtype)
+                for t in (q, k, v)]
+    logger, handler = logging.getLogger("flashkiln"), _FamilyLog()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        grads = flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend,
+                                             dq=storages[0][:, :, 1:-1], dk=storages[1][:, :, 1:-1],
+                                             dv=storages[2][:, :, 1:-1], **kw)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    torch.cuda.synchronize()
+    for storage in storages:
+        assert torch.isnan(storage[:, :, 0]).all() and torch.isnan(storage[:, :, -1]).all(), "canary overwritten"
+    assert len(set(handler.families)) == 1, handler.families
+    return grads, handler.families[0]
+
+
+def _check_both(q, k, v, dout, causal, repro):
+    """Each family against the references, then hopper against portable within FA-style(3)."""
+    ref32 = attention_grad_reference(q, k, v, dout, causal, None, torch.float32)
+    reflp = attention_grad_reference(q, k, v, dout, causal, None, q.dtype)
+    results = {}
+    for family in FAMILIES:
+        grads, ran = _backward(dout, q, k, v, causal, family)
+        assert ran == family
+        check_grads_against(grads, ref32, reflp, f"{repro} backend={family}")
+        results[family] = grads
+    for name, hopper, portable, r32, rlp in zip(("dq", "dk", "dv"), results["hopper"], results["portable"],
+                                                (ref32.dq, ref32.dk, ref32.dv), (reflp.dq, reflp.dk, reflp.dv)):
+        # The two families agree within FA-style(3)'s bound.
+        err = (hopper.float() - portable.float()).abs().max().item()
+        bound = 3 * (rlp.float() - r32.float()).abs().max().item() + GRAD_FLOOR
+        assert err <= bound, f"{name}: max|hopper - portable| = {err:.3g} exceeds {bound:.3g}\n{repro}"
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+def test_sweep_gqa_bf16(sq, sk, causal, d):
+    seed = seed_of("hopper-bwd", sq, sk, causal, d)
+    q, k, v, dout = _tensors(seed, 2, 6, 2, sq, sk, d, torch.bfloat16)
+    _check_both(q, k, v, dout, causal, _repro("test_sweep_gqa_bf16", seed=seed, sq=sq, sk=sk, causal=causal, d=d))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 1)], ids=["mha", "mqa"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", (64, 128))
+def test_heads_and_fp16(d, causal, hq, hkv):
+    seed = seed_of("hopper-bwd-heads", d, causal, hq, hkv)
+    q, k, v, dout = _tensors(seed, 3, hq, hkv, 777, 555, d, torch.float16)
+    _check_both(q, k, v, dout, causal, _repro("test_heads_and_fp16", seed=seed, d=d, causal=causal, hq=hq, hkv=hkv))
+
+
+def test_rows_without_keys_get_zero_dq():
+    seed = seed_of("hopper-no-keys")
+    q, k, v, dout = _tensors(seed, 1, 2, 2, 300, 100, 128, torch.bfloat16)
+    (dq, dk, dv), family = _backward(dout, q, k, v, "bottom_right", "hopper")
+    assert (dq[:, :, :200] == 0).all()
+    assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+
+
+def test_layouts_strides_and_lse_gradient():
+    """(B, S, H, D) inputs, a non-contiguous dout and an LSE gradient, against the portable family."""
+    seed = seed_of("hopper-layout")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(2, s, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+               for s in (333, 444, 444))
+    dout = torch.randn(2, 4, 128, 333, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(2, 3)
+    out, lse = flashkiln.attention_forward(q, k, v, causal="top_left", scale=0.2)
+    dlse = torch.randn(lse.shape, device="cuda", generator=gen)
+    grads = {family: flashkiln.attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal="top_left", scale=0.2,
+                                                  backend=family) for family in FAMILIES}
+    for hopper, portable, inp in zip(grads["hopper"], grads["portable"], (q, k, v)):
+        assert hopper.stride() == inp.stride()
+        torch.testing.assert_close(hopper, portable, atol=2e-2, rtol=2e-2)
+
+
+def _auto_family(**kw) -> str:
+    seed = seed_of("hopper-auto", sorted(kw))
+    d = kw.pop("d", 128)
+    q, k, v, dout = _tensors(seed, 1, 2, 2, 200, 200, d, torch.bfloat16)
+    if kw.pop("with_bias", False):
+        kw["bias"] = torch.randn(1, 1, 200, 200, device="cuda", dtype=torch.bfloat16)
+    if kw.pop("with_sink", False):
+        kw["sink"] = torch.randn(2, device="cuda")
+    _, family = _backward(dout, q, k, v, None, None, **kw)
+    return family
+
+
+@pytest.mark.parametrize("kw, family", [
+    ({}, "hopper"),
+    ({"d": 64}, "hopper"),
+    ({"d": 256}, "portable"),            # no hopper variant
+    ({"deterministic": True}, "portable"),
+    ({"with_bias": True}, "portable"),
+    ({"with_sink": True}, "hopper"),     # the kernels read the LSE, which holds the sink
+    ({"with_sink": True, "sink_grad": True}, "portable"),
+])
+def test_auto_takes_hopper_where_it_has_the_call(kw, family):
+    assert _auto_family(**kw) == family
