@@ -54,6 +54,7 @@ bench:
 	tools/pyenv.sh $(GPU_PYTHON) bench/bench.py --out build/bench-bias-shared --bias shared
 	tools/pyenv.sh $(GPU_PYTHON) bench/bench.py --out build/bench-varlen --varlen
 	tools/pyenv.sh $(GPU_PYTHON) bench/host_overhead.py --out build/bench-host
+	tools/pyenv.sh $(GPU_PYTHON) bench/memory.py --out build/bench-memory
 
 # A wheel of the runtime with the cubins of $(SPECS) (and the generator, for opt-in JIT), into dist/.
 wheel: $(if $(filter 12,$(CUDA)),$(VENV_CU12)/.installed,$(VENV)/.installed)

@@ -219,10 +219,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     through their LSEs, and so needs it).
     With a bias, the backward runs a deterministic route, and dbias is deterministic too.
     deterministic: bitwise-reproducible dq (dk, dv are always); default
-    torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes):
-    where it is faster, dS is kept in a workspace of B * H_q * S_q * S_k elements (rounded up to
-    whole tiles) and dq computed from it by a second kernel, if that fits
-    $FLASHKILN_BACKWARD_WORKSPACE_MIB (default: 1/16 of the GPU's memory). Gradients come back with
+    torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes): in
+    place by default; on the portable family, where it is faster, dS can be kept in a workspace of
+    B * H_q * S_q * S_k elements and dq computed from it by a second kernel, if that fits
+    $FLASHKILN_BACKWARD_WORKSPACE_MIB (default 0: off; dBias of a bias that varies along the keys
+    always takes it). Gradients come back with
     their inputs' strides (contiguous where those strides are not 16-byte aligned), or in the
     buffers dq, dk, dv when given (which must not overlap themselves or an input). A query row that
     saw no key gets a zero dq row.

@@ -4,7 +4,8 @@
 - "ordered": they add in a fixed key-tile order behind per-query-tile semaphores (deterministic).
 - "workspace": the main kernel stores dS in a workspace, and a second kernel computes dQ = dS K
   per query tile, summing in key-tile order (deterministic). It needs a workspace of
-  B * H_q * S_q * S_k elements (rows padded to 16 bytes), so it is taken only within a budget.
+  B * H_q * S_q * S_k elements (rows padded to 16 bytes), so no call takes it by default: only
+  within a budget the user sets, or where dBias needs dS.
 """
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ ROUTES = ("atomic", "ordered", "workspace")
 DETERMINISTIC_ROUTES = ("ordered", "workspace")
 # Forces a route (tests, benchmarks); a deterministic call refuses "atomic".
 ROUTE_ENV = "FLASHKILN_BACKWARD_ROUTE"
-# The workspace route's budget in MiB; default: 1/16 of the GPU's memory (8.8 GB on an H200).
+# The workspace route's budget in MiB; default 0 (no O(S_q * S_k) memory on a default route).
 WORKSPACE_BUDGET_ENV = "FLASHKILN_BACKWARD_WORKSPACE_MIB"
-DEFAULT_BUDGET_FRACTION = 16
 
 
 def settings() -> tuple[str | None, str | None]:
@@ -26,11 +26,11 @@ def settings() -> tuple[str | None, str | None]:
     return os.environ.get(ROUTE_ENV), os.environ.get(WORKSPACE_BUDGET_ENV)
 
 
-def workspace_budget_bytes(device_memory: int) -> int:
-    """$FLASHKILN_BACKWARD_WORKSPACE_MIB in bytes, or 1/16 of `device_memory`."""
+def workspace_budget_bytes() -> int:
+    """$FLASHKILN_BACKWARD_WORKSPACE_MIB in bytes, or 0."""
     raw = os.environ.get(WORKSPACE_BUDGET_ENV)
     if raw is None:
-        return device_memory // DEFAULT_BUDGET_FRACTION
+        return 0
     try:
         mib = int(raw)
     except ValueError:
@@ -48,7 +48,8 @@ def preferred_route(d_qk: int, deterministic: bool) -> str:
     at d_qk = 64 (there 0.99-1.03x): without the dQ GEMM and its reductions the main kernel spills
     less and never waits, and the dQ kernel is a plain GEMM. Against the ordered route it gained
     9-61%, against the atomic one 7-11% at d_qk = 128 and 24-32% at d_qk = 256. Below d_qk = 128
-    a call that is not deterministic keeps the atomic route and spares the memory.
+    a call that is not deterministic keeps the atomic route and spares the memory. (Taken only
+    within the workspace budget, which is 0 unless the user sets one.)
     """
     return "workspace" if deterministic or d_qk >= 128 else "atomic"
 

@@ -165,7 +165,7 @@ def _workspace_kernels(call: BackwardCall, shape: BatchShape, deterministic: boo
         log.debug("flashkiln backward: %s", message)
         return None
     size = _workspace_elements(shape, call.q.shape[1]) * call.q.element_size()
-    budget = dq_routes.workspace_budget_bytes(target.memory)
+    budget = dq_routes.workspace_budget_bytes()
     if not strict and size > budget:
         log.debug("flashkiln backward: dS workspace of %d MiB exceeds the budget of %d MiB (%s)",
                   size >> 20, budget >> 20, dq_routes.WORKSPACE_BUDGET_ENV)

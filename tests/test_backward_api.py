@@ -90,7 +90,8 @@ def test_plan_packs_every_tensor_and_stride(registry, monkeypatch):
     assert params.delta == delta.data_ptr() and params.dq_accum == dq_accum.data_ptr()
 
 
-def test_deterministic_plan_keeps_ds_in_a_workspace_when_it_fits(registry):
+def test_deterministic_plan_keeps_ds_in_a_workspace_when_it_fits(registry, monkeypatch):
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "1")
     p, (_, q, *_) = plan(registry, deterministic=True, causal="bottom_right", b=2, hq=4, sq=100, sk=300)
     assert p.route == "workspace"
     pre, main, dq = p.launches
@@ -114,15 +115,18 @@ def _expect_ordered(p):
 
 
 def test_deterministic_plan_orders_dq_beyond_the_budget(registry, monkeypatch):
-    # Workspace: 2 * 4 * 100 rows of 304 bf16; the default budget is 1/16 of the memory.
-    size = 2 * 4 * 100 * 304 * 2
-    _expect_ordered(plan(registry, deterministic=True, causal="bottom_right", memory=16 * size - 16)[0])
-    assert plan(registry, deterministic=True, memory=16 * size)[0].route == "workspace"
+    # Workspace: 2 * 4 * 100 rows of 304 bf16 = 475 KiB; the default budget is 0.
+    _expect_ordered(plan(registry, deterministic=True, causal="bottom_right")[0])
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "1")
+    assert plan(registry, deterministic=True)[0].route == "workspace"
     monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "0")
     _expect_ordered(plan(registry, deterministic=True, causal="bottom_right")[0])
 
 
-def test_routes_follow_the_measured_preference_by_head_dim(registry):
+def test_routes_follow_the_measured_preference_by_head_dim(registry, monkeypatch):
+    default = {(d, det): plan(registry, deterministic=det, d=d)[0].route for d in (64, 128, 256) for det in (False, True)}
+    assert default == {(d, det): "ordered" if det else "atomic" for d in (64, 128, 256) for det in (False, True)}
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "64")
     routes = {(d, det): plan(registry, deterministic=det, d=d)[0].route for d in (64, 128, 256) for det in (False, True)}
     assert routes == {(64, False): "atomic", (64, True): "workspace", (128, False): "workspace",
                       (128, True): "workspace", (256, False): "workspace", (256, True): "workspace"}
@@ -132,12 +136,14 @@ def test_routes_follow_the_measured_preference_by_head_dim(registry):
     # A call that is not deterministic still runs the deterministic main kernel on the workspace route.
     assert plan(registry, d=128)[0].launches[1].entry.descriptor["deterministic"] is True
     # Beyond the budget: ordered when deterministic, else atomic.
-    assert plan(registry, memory=0)[0].route == "atomic"
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "0")
+    assert plan(registry)[0].route == "atomic"
 
 
 @pytest.mark.parametrize("dq_kernels", [[], [bwd_descriptor("bwd_dq", c, tiles=(128, 128, 4, 2)) for c in CAUSAL]],
                          ids=["not-generated", "other-tiles"])
 def test_without_a_matching_dq_kernel_the_workspace_route_falls_back(tmp_path, dq_kernels, monkeypatch):
+    monkeypatch.setenv(WORKSPACE_BUDGET_ENV, "64")
     registry = make_registry(tmp_path, dq_kernels)
     assert plan(registry, deterministic=True)[0].route == "ordered"
     monkeypatch.setenv(ROUTE_ENV, "workspace")

@@ -26,7 +26,7 @@ for step in $steps; do
       done
       ;;
     profile)
-      timeout 200 ncu --clock-control none --kernel-name regex:'flashkiln_bwd_portable|flash_bwd_dq_dk_dv' \
+      timeout 200 ncu --clock-control none --kernel-name regex:${PROFILE_KERNELS:-'flashkiln_bwd_hopper|flash_bwd_dq_dk_dv'} \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
         --section LaunchStats tools/pyenv.sh python3 tools/profile_bwd.py ${PROFILE_ARGS:-128 4096} 2>&1 \
         | tee "$out/profile.log" | grep -E "bwd|Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|Registers|Achieved Occupancy|Theoretical Occupancy" | head -60
@@ -36,11 +36,12 @@ for step in $steps; do
       m=$m,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum
       m=$m,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
       m=$m,smsp__inst_executed.sum,sm__inst_executed_pipe_tensor_op_hmma.sum,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum
+      m=$m,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second
       for r in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle lg_throttle wait membar drain \
                not_selected selected dispatch_stall no_instruction imc_miss branch_resolving sleeping tex_throttle; do
         m=$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
       done
-      timeout 200 ncu --clock-control none --kernel-name regex:'flashkiln_bwd_portable|flash_bwd_dq_dk_dv' --metrics $m \
+      timeout 200 ncu --clock-control none --kernel-name regex:${PROFILE_KERNELS:-'flashkiln_bwd_hopper|flash_bwd_dq_dk_dv'} --metrics $m \
         tools/pyenv.sh python3 tools/profile_bwd.py ${PROFILE_ARGS:-128 4096} 2>&1 | tee "$out/metrics.log" \
         | grep -E "bwd|sum|ratio" | grep -v "==PROF==" | head -80
       ;;

@@ -1,6 +1,6 @@
 """One backward of flashkiln and one of torch's flash backend on the same shape, for Nsight Compute.
 
-ncu --clock-control none --kernel-name regex:'flashkiln_bwd_portable|flash_bwd_dq_dk_dv' \
+ncu --clock-control none --kernel-name regex:'flashkiln_bwd_hopper|flash_bwd_dq_dk_dv' \
     tools/pyenv.sh python3 tools/profile_bwd.py [d] [seqlen] [causal]
 """
 from __future__ import annotations

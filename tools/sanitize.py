@@ -35,8 +35,14 @@ PACKED_CASES = [
 
 def backward_on_every_route(out, q, k, v, lse, bias, **kwargs) -> list[torch.Tensor]:
     """A biased backward runs the deterministic routes only (and dBias the workspace one); with the
-    LSE's gradient, and dSink where there is a sink."""
+    LSE's gradient, and dSink where there is a sink. Where the hopper family has the call's
+    backward (no bias, no dSink, a dense batch), it runs too."""
     grads = []
+    hopper = (bias is None and kwargs.get("packed") is None and q.shape[-1] in (64, 128)
+              and torch.cuda.get_device_capability() == (9, 0))
+    if hopper:
+        grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, dlse=torch.randn_like(lse),
+                                              backend="hopper", causal=kwargs.get("causal"))
     for route in ROUTES if bias is None else ("ordered", "workspace"):
         with mock.patch.dict(os.environ, {ROUTE_ENV: route}):
             grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, dlse=torch.randn_like(lse),

@@ -107,7 +107,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   typename T::TiledMmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(thread);
   auto thr_kv = mma_kv.get_thread_slice(thread);
-  auto thr_dq = mma_dq.get_thread_slice(T::kDqSplitKeys ? thread % 128 : thread);
+  auto thr_dq = mma_dq.get_thread_slice(T::kDqAlternate ? thread % 128 : thread);
 
   // Shared-memory operands as (MMA, M or N, K[, stage]).
   Tensor tSrK = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{}));
@@ -116,10 +116,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   Tensor tdPrdO = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutQ{}));
   Tensor tdVrdO = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutQt{}));
   Tensor tdKrQ = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQt{}));
-  // dQ's operands: this warpgroup's keys of K (the key split), or all of them.
-  const int dq_key0 = T::kDqSplitKeys ? 64 * warpgroup : 0;
-  Tensor tdQrK = thr_dq.partition_fragment_B(
-      make_tensor(make_smem_ptr(ss.k + dq_key0 * T::kBoxCols), typename T::SmemLayoutKt{}));
+  Tensor tdQrK = thr_dq.partition_fragment_B(make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutKt{}));
 
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kBlockM>>{}));  // (key, row)
   Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
@@ -139,8 +136,8 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   float* const dq_stage = ss.dq + warpgroup * T::DqLayout::kPartFloats;
   const uint32_t dq_stage_shared = cute::cast_smem_ptr_to_uint(dq_stage);
   const int64_t dq_head_row = (int64_t(batch) * p.heads_q + head) * p.dq_accum_rows;
-  // This warpgroup's part of a query tile of the accumulator (the key split: all of it).
-  const int dq_part = T::kDqSplitKeys ? 0 : warpgroup;
+  // This warpgroup's part of a query tile of the accumulator (taking turns: all of it).
+  const int dq_part = T::kDqAlternate ? 0 : warpgroup;
 
   clear(acc_dk);
   clear(acc_dv);
@@ -149,6 +146,28 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   }
   named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   Barrier::wait(&ss.kv_full, 0);
+
+  // dQ of the query tile from row0, in acc_dq: staged in this warpgroup's buffer once its previous
+  // bulk add has read it, then added to the accumulator.
+  const int wg_barrier = kFirstWarpgroupBarrier + warpgroup;
+  auto add_dq = [&](int row0) {
+    if (thread % 128 == 0) {
+      cute::tma_store_wait<0>();
+    }
+    named_barrier_sync(wg_barrier, 128);
+    CUTE_UNROLL
+    for (int v = 0; v < size(acc_dq); v += 2) {
+      reinterpret_cast<float2*>(dq_stage)[(v / 2) * 128 + thread % 128] = make_float2(acc_dq(v), acc_dq(v + 1));
+    }
+    cutlass::arch::fence_view_async_shared();  // generic writes, read by the bulk copy
+    named_barrier_sync(wg_barrier, 128);
+    if (thread % 128 == 0) {
+      float* tile = reinterpret_cast<float*>(p.dq_accum) + (dq_head_row + row0) * T::kDim +
+                    dq_part * T::DqLayout::kPartFloats;
+      bulk_reduce_add(tile, dq_stage_shared, T::kBytesDqPart);
+      cute::tma_store_arrive();
+    }
+  };
 
   PipelineState<T::kStages> st;
   for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
@@ -193,33 +212,24 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       store_row_stat<T>(ss.stats[buffer ^ 1], thread, next_stat);
     }
     cutlass::arch::fence_view_async_shared();  // dS, written by threads, is read by wgmma next
-    // Both warpgroups' dS are in (the column split reads both), and every read of this tile's stats is done.
+    // Both warpgroups' dS are in (dQ reads both), and every read of this tile's stats is done.
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
 
-    Tensor tdQrdS = thr_dq.partition_fragment_A(
-        make_tensor(make_smem_ptr(ds + dq_key0 * T::kBlockM), typename T::SmemLayoutdS{}));
-    wgmma_gemm<true>(mma_dq, tdQrdS, tdQrK, acc_dq);
-    warpgroup_wait<0>();
+    // This warpgroup's dQ of the tile (taking turns: every other tile's). Each branch waits for
+    // its own GEMMs: accumulators of a GEMM in flight must not meet at a join.
+    const bool own_dq = !T::kDqAlternate || (m - tiles.first) % 2 == warpgroup;
+    if (own_dq) {
+      Tensor tdQrdS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds), typename T::SmemLayoutdS{}));
+      wgmma_gemm<true>(mma_dq, tdQrdS, tdQrK, acc_dq);
+      warpgroup_wait<0>();
+    } else {
+      warpgroup_wait<0>();
+    }
     Barrier::arrive(&ss.q_empty[st.stage]);  // Q and dO of this stage are read
     st.advance();
 
-    // dQ: staged in this warpgroup's buffer once its previous bulk add has read it, then added.
-    const int wg_barrier = kFirstWarpgroupBarrier + warpgroup;
-    if (thread % 128 == 0) {
-      cute::tma_store_wait<0>();
-    }
-    named_barrier_sync(wg_barrier, 128);
-    CUTE_UNROLL
-    for (int v = 0; v < size(acc_dq); v += 2) {
-      reinterpret_cast<float2*>(dq_stage)[(v / 2) * 128 + thread % 128] = make_float2(acc_dq(v), acc_dq(v + 1));
-    }
-    cutlass::arch::fence_view_async_shared();  // generic writes, read by the bulk copy
-    named_barrier_sync(wg_barrier, 128);
-    if (thread % 128 == 0) {
-      float* tile = reinterpret_cast<float*>(p.dq_accum) + (dq_head_row + row0) * T::kDim +
-                    dq_part * T::DqLayout::kPartFloats;
-      bulk_reduce_add(tile, dq_stage_shared, T::kBytesDqPart);
-      cute::tma_store_arrive();
+    if (own_dq) {
+      add_dq(row0);
     }
   }
 

@@ -5,8 +5,9 @@
 // The five GEMMs per query tile, per consumer warpgroup (its 64 keys):
 //   S^T  = K Q^T     and   dP^T = V dO^T      shared-memory operands;
 //   dV  += P^T dO    and   dK  += dS^T Q      P^T and dS^T from registers (accumulator layout);
-//   dQ   = dS K      dS through shared memory, split between the warpgroups by dQ's columns
-//                    (each a whole 64-column box) or, where the head dim is one box, by keys.
+//   dQ   = dS K      dS through shared memory (both warpgroups' keys), split between the
+//                    warpgroups by dQ's columns (each a whole 64-column box) or, where the head
+//                    dim is one box, by query tiles (each warpgroup every other tile's).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -46,10 +47,10 @@ struct BwdTraits {
   static_assert(kStages >= 2, "at least a double-buffered Q/dO pipeline");
 
   static constexpr int kDqParts = dq_tile_parts(kDim, kConsumerWarpgroups);
-  static constexpr bool kDqSplitKeys = kDqParts == 1;
-  static constexpr int kDqCols = kDim / kDqParts;                   // per warpgroup
-  static constexpr int kDqKeys = kDqSplitKeys ? 64 : kBlockN;       // keys of a warpgroup's dQ GEMM
-  static_assert(!kDqSplitKeys || kDim == kBoxCols, "the key split reads one box of K per warpgroup");
+  // One part: the warpgroups take turns, a whole tile's dQ each. Splitting its keys instead (each
+  // warpgroup adding its 64 keys' share to every column) doubled the bulk adds' L2 traffic.
+  static constexpr bool kDqAlternate = kDqParts == 1;
+  static constexpr int kDqCols = kDim / kDqParts;  // per warpgroup
   using DqLayout = DqTileLayout<kDim, kDqParts>;
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns
@@ -59,15 +60,14 @@ struct BwdTraits {
   // Q and dO as the B operands of dK and dV: (d, rows, stage), d contiguous (MN-major).
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // K as dQ's B operand: (d, keys of the warpgroup's dQ GEMM).
-  using SmemLayoutKt = decltype(composition(
-      tile_to_shape(SmemAtom{}, Shape<Int<kDqKeys>, Int<kDim>>{}),
-      make_ordered_layout(Shape<Int<kDim>, Int<kDqKeys>>{}, Step<_2, _1>{})));
+  // K as dQ's B operand: (d, keys).
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<Int<kDim>, Int<kBlockN>>{},
+                                                                               Step<_2, _1>{})));
   // dS as dQ's A operand: (query rows, keys), rows contiguous (MN-major); byte (key k, row r) at
   // k * 128 + ((r / 8) ^ (k % 8)) * 16 + (r % 8) * 2, which is how a warpgroup stores its dS^T
   // fragment (swizzled_tile.hpp, store_fragment, as a (keys, rows) tile).
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kDqKeys>>{}));
+                                              Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kDim>>>(),
@@ -77,7 +77,7 @@ struct BwdTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
   using TiledMmaDq = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDqCols>, Int<kDqKeys>>,
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDqCols>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kDqParts>, _1>>{}));
 
