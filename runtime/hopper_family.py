@@ -3,8 +3,8 @@
 Forward (hopper/fwd_*.hpp): of a variant's several tunings it takes the one flashkiln.tile_choice
 estimates fastest for the call's shape. Backward (hopper/bwd_*.hpp): the portable family's
 preprocess (delta, the dQ accumulator zeroed), the main kernel (a CTA per key tile and query
-head), then its own postprocess; dense batches without bias, dSink or a deterministic dQ (those
-plan on the portable family: flashkiln.families falls back where this planner refuses).
+head), then its own postprocess; dense batches without bias or a deterministic dQ (those plan
+on the portable family: flashkiln.families falls back where this planner refuses).
 """
 from __future__ import annotations
 
@@ -101,16 +101,15 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
-    lacks (a packed batch, dSink's per-key-tile sums, a forced dQ route other than atomic) and
-    where TMA cannot address the tensors.
+    lacks (a packed batch, a forced dQ route other than atomic) and where TMA cannot address the
+    tensors.
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
-    (GQA: fp32 per query head, summed over each group afterwards)."""
+    (GQA: fp32 per query head, summed over each group afterwards), dsink_parts (fp32 (B, H_q, key
+    tiles) sums of p_sink * P * dP, written by every CTA)."""
     if call.packed is not None:
         raise UnsupportedError("the hopper backward takes dense batches only")
-    if call.sink_parts:
-        raise UnsupportedError("the hopper backward does not sum the sink's per-key-tile terms (dSink)")
     forced = dq_routes.forced_route(call.deterministic)
     if forced not in (None, "atomic"):
         raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: the hopper backward adds dQ atomically")
@@ -127,8 +126,12 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     f32 = torch.float32
     scratch.take("delta", (b, hq, sq), f32)
     scratch.take("dq_accum", (b, hq, sq_rounded, d), f32)
-    for role in ("dq_semaphore", "ds_workspace", "dsink_parts"):
+    for role in ("dq_semaphore", "ds_workspace"):
         scratch.absent(role)
+    if call.sink_parts:
+        scratch.take("dsink_parts", (b, hq, ceil_div(sk, tile_n)), f32)
+    else:
+        scratch.absent("dsink_parts")
     if hq != hkv:
         scratch.take("dk_accum", (b, hq, sk, d), f32)
         scratch.take("dv_accum", (b, hq, sk, d), f32)

@@ -23,6 +23,14 @@ DQ_ACCUM_ROW_ALIGN = 128
 QUERY_TILES_INNER, HEADS_INNER, BATCH_INNER = 0, 1, 2
 
 
+def _int32(*names: str) -> list[tuple[str, type]]:
+    return [(name, ctypes.c_int32) for name in names]
+
+
+def _strides(*tensors: str) -> list[tuple[str, type]]:
+    return [(f"{t}_{kind}_stride", ctypes.c_int64) for t in tensors for kind in ("batch", "head", "row")]
+
+
 class FwdParams(ctypes.Structure):
     _fields_ = [
         # Device addresses (integers, so that the C++ side can check this layout in constexpr).
@@ -51,21 +59,13 @@ class FwdParams(ctypes.Structure):
         ("bias_batch_stride", ctypes.c_int64),
         ("bias_head_stride", ctypes.c_int64),
         ("bias_row_stride", ctypes.c_int64),
-        ("batch", ctypes.c_int32),
-        ("heads_q", ctypes.c_int32),
-        ("heads_kv", ctypes.c_int32),
-        ("seqlen_q", ctypes.c_int32),
-        ("seqlen_k", ctypes.c_int32),
+        *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"),
         ("total_q", ctypes.c_int32),
         ("total_k", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
         ("_pad0", ctypes.c_int32),
     ]
-
-
-def _strides(*tensors: str) -> list[tuple[str, type]]:
-    return [(f"{t}_{kind}_stride", ctypes.c_int64) for t in tensors for kind in ("batch", "head", "row")]
 
 
 class BwdParams(ctypes.Structure):
@@ -75,11 +75,7 @@ class BwdParams(ctypes.Structure):
             "dq_semaphore", "ds_workspace", "bias", "cu_seqlens_q", "cu_seqlens_k", "dlse", "sink", "dsink_parts")),
         *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv", "bias"),
         ("dq_accum_rows", ctypes.c_int64),
-        ("batch", ctypes.c_int32),
-        ("heads_q", ctypes.c_int32),
-        ("heads_kv", ctypes.c_int32),
-        ("seqlen_q", ctypes.c_int32),
-        ("seqlen_k", ctypes.c_int32),
+        *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"),
         ("total_q", ctypes.c_int32),
         ("total_k", ctypes.c_int32),
         ("seqlen_q_rounded", ctypes.c_int32),
@@ -111,11 +107,7 @@ class HopperFwdParams(ctypes.Structure):
         ("o", ctypes.c_uint64),
         ("o_row_stride", ctypes.c_int64),
         ("o_head_stride", ctypes.c_int64),
-        ("batch", ctypes.c_int32),
-        ("heads_q", ctypes.c_int32),
-        ("heads_kv", ctypes.c_int32),
-        ("seqlen_q", ctypes.c_int32),
-        ("seqlen_k", ctypes.c_int32),
+        *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"),
         ("total_q", ctypes.c_int32),
         ("total_k", ctypes.c_int32),
         ("num_m_blocks", ctypes.c_int32),
@@ -139,17 +131,14 @@ class HopperBwdParams(ctypes.Structure):
         ("tma_k", TmaDescriptor),
         ("tma_v", TmaDescriptor),
         ("tma_do", TmaDescriptor),
-        *((name, ctypes.c_uint64) for name in ("lse", "delta", "dq_accum", "dk", "dv", "dk_accum", "dv_accum")),
+        *((name, ctypes.c_uint64) for name in ("lse", "delta", "dq_accum", "dk", "dv", "dk_accum", "dv_accum", "sink",
+                                               "dsink_parts")),
         *_strides("dk", "dv"),
         ("dq_accum_rows", ctypes.c_int64),
-        ("batch", ctypes.c_int32),
-        ("heads_q", ctypes.c_int32),
-        ("heads_kv", ctypes.c_int32),
-        ("seqlen_q", ctypes.c_int32),
-        ("seqlen_k", ctypes.c_int32),
+        *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
-        ("_pad", ctypes.c_int32 * 13),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("_pad", ctypes.c_int32 * 9),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

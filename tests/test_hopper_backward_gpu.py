@@ -147,7 +147,7 @@ def _auto_family(**kw) -> str:
     ({"deterministic": True}, "portable"),
     ({"with_bias": True}, "portable"),
     ({"with_sink": True}, "hopper"),     # the kernels read the LSE, which holds the sink
-    ({"with_sink": True, "sink_grad": True}, "portable"),
+    ({"with_sink": True, "sink_grad": True}, "hopper"),
 ])
 def test_auto_takes_hopper_where_it_has_the_call(kw, family):
     assert _auto_family(**kw) == family

@@ -53,11 +53,12 @@ class HopperFamily(Family):
 
     def _bwd_smem_bytes(self, d: VariantDescriptor) -> int:
         """BwdTraits::SharedStorage: K, V, `stages` x (Q, dO), two dS buffers, each warpgroup's dQ
-        staging (fp32), then the row stats and barriers in a 1024-byte block, and the alignment slack."""
+        staging (fp32), then two buffers of row stats, the barriers and dSink's per-warp sums, rounded
+        up to 1024 bytes, and the alignment slack."""
         elem = ELEMENT_BYTES[d.dtype]
         tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + 2 * d.tile_m * d.tile_n)
         dq_staging = 4 * self.consumer_warpgroups(d) * d.tile_m * (d.d_qk // self.dq_parts(d))
-        stats_and_barriers = 2 * 2 * d.tile_m * 4 + 8 * (1 + 2 * d.stages)
+        stats_and_barriers = 2 * 3 * d.tile_m * 4 + 8 * (1 + 2 * d.stages) + 4 * 8  # + dSink's per-warp sums
         return tiles + dq_staging + -(-stats_and_barriers // 1024) * 1024 + _ALIGN_SLACK
 
     def own_o_buffer(self, d: VariantDescriptor) -> bool:

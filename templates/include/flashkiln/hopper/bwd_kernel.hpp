@@ -18,6 +18,7 @@
 #include <flashkiln/hopper/bwd_traits.hpp>
 #include <flashkiln/hopper/mma.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
+#include <flashkiln/hopper/shared_storage.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
 
 namespace flashkiln::hopper {
@@ -73,27 +74,38 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
 }
 
 // What consumer thread `thread` loads of query tile m's RowStats: threads [0, kBlockM) the LSE
-// (base 2) of one row each, the next kBlockM threads its delta, the others nothing.
+// (base 2) of one row each, the next kBlockM threads its delta, the next its sink weight (with
+// dSink), the others nothing.
 template <class T>
 __device__ __forceinline__ float row_stat(HopperBwdParams const& p, int thread, int m, int head, int batch) {
   const int row = m * T::kBlockM + thread % T::kBlockM;
-  const bool lse = thread < T::kBlockM;
-  if (thread >= 2 * T::kBlockM) {
+  const int kind = thread / T::kBlockM;  // 0: LSE, 1: delta, 2: sink weight
+  if (kind > 2 || (kind == 2 && p.dsink_parts == 0)) {
     return 0.f;
   }
   if (row >= p.seqlen_q) {
-    return lse ? kInfinity : 0.f;  // P = 0 for rows past the sequence
+    return kind == 0 ? kInfinity : 0.f;  // P = 0 for rows past the sequence
   }
   const int64_t index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + row;
-  return lse ? reinterpret_cast<float const*>(p.lse)[index] * kLog2e : reinterpret_cast<float const*>(p.delta)[index];
+  const float lse_log2 = reinterpret_cast<float const*>(p.lse)[index] * kLog2e;
+  if (kind == 0) {
+    return lse_log2;
+  }
+  if (kind == 1) {
+    return reinterpret_cast<float const*>(p.delta)[index];
+  }
+  // With a sink the LSE includes it, so it is finite.
+  return exp2f(reinterpret_cast<float const*>(p.sink)[head] * kLog2e - lse_log2);
 }
 
 template <class T>
 __device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int thread, float value) {
-  if (thread < T::kBlockM) {
-    stats.lse_log2[thread] = value;
-  } else if (thread < 2 * T::kBlockM) {
-    stats.delta[thread - T::kBlockM] = value;
+  const int row = thread % T::kBlockM;
+  switch (thread / T::kBlockM) {
+    case 0: stats.lse_log2[row] = value; break;
+    case 1: stats.delta[row] = value; break;
+    case 2: stats.sink_weight[row] = value; break;
+    default: break;
   }
 }
 
@@ -141,6 +153,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
 
   clear(acc_dk);
   clear(acc_dv);
+  float sink_share = 0.f;  // dSink: this thread's share of the CTA's sum of p_sink * P * dP
   if (tiles.first < tiles.end) {
     store_row_stat<T>(ss.stats[0], thread, row_stat<T>(p, thread, tiles.first, head, batch));
   }
@@ -199,6 +212,13 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     wgmma_gemm<false>(mma_kv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
     warpgroup_wait<1>();  // dP^T
 
+    if (p.dsink_parts != 0) {
+      // dSink's exact share: rowsum(P * dP) from unrounded P and dP (delta uses the rounded O).
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dp); ++i) {
+        sink_share = fmaf(acc_s(i) * stats.sink_weight[get<1>(cS(i))], acc_dp(i), sink_share);
+      }
+    }
     // dS^T = P^T (dP^T - delta).
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dp); ++i) {
@@ -230,6 +250,25 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
 
     if (own_dq) {
       add_dq(row0);
+    }
+  }
+
+  if (p.dsink_parts != 0) {
+    // The CTA's dSink sum, in a fixed order (deterministic): warps, then their sums by thread 0.
+    CUTE_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sink_share += __shfl_xor_sync(0xffffffff, sink_share, offset);
+    }
+    if (thread % 32 == 0) {
+      ss.sink_sums[thread / 32] = sink_share;
+    }
+    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    if (thread == 0) {
+      float total = 0.f;
+      for (int w = 0; w < T::kConsumerThreads / 32; ++w) {
+        total += ss.sink_sums[w];
+      }
+      reinterpret_cast<float*>(p.dsink_parts)[(int64_t(batch) * p.heads_q + head) * gridDim.x + n_block] = total;
     }
   }
 
@@ -270,10 +309,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
 
 template <class T>
 __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
-  using SharedStorage = typename T::SharedStorage;
-  extern __shared__ char smem_raw[];
-  const uint32_t misalignment = cute::cast_smem_ptr_to_uint(smem_raw) % 1024;
-  auto& ss = *reinterpret_cast<SharedStorage*>(smem_raw + (1024 - misalignment) % 1024);
+  auto& ss = aligned_shared_storage<typename T::SharedStorage>();
   const int n_block = blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;

@@ -88,10 +88,12 @@ struct BwdTraits {
   static constexpr uint32_t kBytesK = kElemsK * sizeof(Element);
   static constexpr uint32_t kBytesDqPart = DqLayout::kPartFloats * sizeof(float);
 
-  // Per query tile: LSE (in base 2; +inf for rows past the sequence, whose P is then 0) and delta.
+  // Per query tile: LSE (in base 2; +inf for rows past the sequence, whose P is then 0), delta, and
+  // with a sink its weight in the row's softmax, exp(sink - LSE) (dSink's factor; 0 past the end).
   struct RowStats {
     float lse_log2[kBlockM];
     float delta[kBlockM];
+    float sink_weight[kBlockM];
   };
   struct SharedStorage {
     alignas(1024) Element k[kElemsK];
@@ -104,6 +106,7 @@ struct BwdTraits {
     uint64_t kv_full;           // K and V landed
     uint64_t q_full[kStages];   // Q and dO of the stage landed
     uint64_t q_empty[kStages];  // every consumer finished the stage's GEMMs
+    float sink_sums[kConsumerThreads / 32];  // dSink: each consumer warp's share of the CTA's sum
   };
   static constexpr int kAlignSlack = 1024 - 16;  // the dynamic allocation starts 16-byte aligned
   static constexpr int kMaxSmemBytes = 232448;   // sm_90a's opt-in limit per block

@@ -16,6 +16,7 @@
 #include <flashkiln/hopper/fwd_params.hpp>
 #include <flashkiln/hopper/fwd_traits.hpp>
 #include <flashkiln/hopper/pipeline.hpp>
+#include <flashkiln/hopper/shared_storage.hpp>
 #include <flashkiln/hopper/tile_scheduler.hpp>
 
 namespace flashkiln::hopper {
@@ -24,12 +25,7 @@ using namespace cute;
 
 template <class T>
 __device__ __forceinline__ void fwd_kernel(HopperFwdParams const& p) {
-  using SharedStorage = typename T::SharedStorage;
-  extern __shared__ char smem_raw[];
-  // Round up to 1024 bytes by offsetting the shared array itself: a pointer rebuilt from an integer
-  // would lose its address space, and every access through it would be a generic LD/ST.
-  const uint32_t misalignment = cute::cast_smem_ptr_to_uint(smem_raw) % 1024;
-  auto& ss = *reinterpret_cast<SharedStorage*>(smem_raw + (1024 - misalignment) % 1024);
+  auto& ss = aligned_shared_storage<typename T::SharedStorage>();
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
