@@ -78,18 +78,20 @@ def main() -> None:
     for family in args.families:
         rows.append((f"flashkiln.attention_forward (backend={family})",
                      per_call_us(lambda: flashkiln.attention_forward(q, k, v, backend=family))))
-        # SDPA has no backend argument: auto picks hopper on an H200; force the other family by
-        # making the hopper family refuse the GPU (and plan afresh).
+        # SDPA has no backend argument: auto picks hopper on an H200 (forward and backward); force
+        # the other family by making the hopper family refuse the GPU (and plan afresh).
         refuse = dataclasses.replace(families.FAMILIES["hopper"], runs_on=lambda capability: "forced portable")
         forced = mock.patch.dict(families.FAMILIES, {"hopper": refuse}) if family == "portable" \
             else contextlib.nullcontext()
         forward.PLANS.clear()
         with forced:
-            rows.append((f"flashkiln.scaled_dot_product_attention fwd + bwd ({family} forward)",
+            rows.append((f"flashkiln.scaled_dot_product_attention fwd + bwd ({family} family)",
                          per_call_us(train(flashkiln.scaled_dot_product_attention))))
         forward.PLANS.clear()
-    rows.append(("flashkiln.attention_backward (portable)",
-                 per_call_us(lambda: flashkiln.attention_backward(dout, q, k, v, out, lse))))
+        backward.PLANS.clear()
+    for family in args.families:
+        rows.append((f"flashkiln.attention_backward (backend={family})",
+                     per_call_us(lambda: flashkiln.attention_backward(dout, q, k, v, out, lse, backend=family))))
     backward.PLANS.clear()
     rows.append(("floor: a Python autograd.Function that only allocates, fwd + bwd",
                  per_call_us(train(_AllocateOnly.apply))))

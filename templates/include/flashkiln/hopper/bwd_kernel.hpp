@@ -75,24 +75,24 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
 
 // What consumer thread `thread` loads of query tile m's RowStats: threads [0, kBlockM) the LSE
 // (base 2) of one row each, the next kBlockM threads its delta, the next its sink weight (with
-// dSink), the others nothing.
-template <class T>
+// kSinkGrad), the others nothing.
+template <class T, bool kSinkGrad>
 __device__ __forceinline__ float row_stat(HopperBwdParams const& p, int thread, int m, int head, int batch) {
   const int row = m * T::kBlockM + thread % T::kBlockM;
   const int kind = thread / T::kBlockM;  // 0: LSE, 1: delta, 2: sink weight
-  if (kind > 2 || (kind == 2 && p.dsink_parts == 0)) {
+  if (kind > (kSinkGrad ? 2 : 1)) {
     return 0.f;
   }
   if (row >= p.seqlen_q) {
     return kind == 0 ? kInfinity : 0.f;  // P = 0 for rows past the sequence
   }
   const int64_t index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + row;
-  const float lse_log2 = reinterpret_cast<float const*>(p.lse)[index] * kLog2e;
-  if (kind == 0) {
-    return lse_log2;
-  }
   if (kind == 1) {
     return reinterpret_cast<float const*>(p.delta)[index];
+  }
+  const float lse_log2 = reinterpret_cast<float const*>(p.lse)[index] * kLog2e;
+  if (!kSinkGrad || kind == 0) {
+    return lse_log2;
   }
   // With a sink the LSE includes it, so it is finite.
   return exp2f(reinterpret_cast<float const*>(p.sink)[head] * kLog2e - lse_log2);
@@ -109,7 +109,9 @@ __device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int 
   }
 }
 
-template <class T>
+// kSinkGrad: the call wants dSink's sums (p.dsink_parts); a template parameter rather than a branch
+// in the loop, which cost the calls without a sink 3-5% (docs/perf.md, v19).
+template <class T, bool kSinkGrad>
 __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::SharedStorage& ss, int thread,
                                         int n_block, int head, int batch) {
   using Element = typename T::Element;
@@ -155,7 +157,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   clear(acc_dv);
   float sink_share = 0.f;  // dSink: this thread's share of the CTA's sum of p_sink * P * dP
   if (tiles.first < tiles.end) {
-    store_row_stat<T>(ss.stats[0], thread, row_stat<T>(p, thread, tiles.first, head, batch));
+    store_row_stat<T>(ss.stats[0], thread, row_stat<T, kSinkGrad>(p, thread, tiles.first, head, batch));
   }
   named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   Barrier::wait(&ss.kv_full, 0);
@@ -186,7 +188,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
     const bool has_next = m + 1 < tiles.end;
     // The next tile's LSE or delta, stored for it once this tile's are read (before the barrier).
-    const float next_stat = has_next ? row_stat<T>(p, thread, m + 1, head, batch) : 0.f;
+    const float next_stat = has_next ? row_stat<T, kSinkGrad>(p, thread, m + 1, head, batch) : 0.f;
     typename T::RowStats const& stats = ss.stats[buffer];
     const int row0 = m * T::kBlockM;
 
@@ -212,7 +214,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     wgmma_gemm<false>(mma_kv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
     warpgroup_wait<1>();  // dP^T
 
-    if (p.dsink_parts != 0) {
+    if constexpr (kSinkGrad) {
       // dSink's exact share: rowsum(P * dP) from unrounded P and dP (delta uses the rounded O).
       CUTE_UNROLL
       for (int i = 0; i < size(acc_dp); ++i) {
@@ -253,7 +255,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
   }
 
-  if (p.dsink_parts != 0) {
+  if constexpr (kSinkGrad) {
     // The CTA's dSink sum, in a fixed order (deterministic): warps, then their sums by thread 0.
     CUTE_UNROLL
     for (int offset = 16; offset > 0; offset /= 2) {
@@ -332,7 +334,11 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    consume<T>(p, ss, threadIdx.x - 128, n_block, head, batch);
+    if (p.dsink_parts != 0) {
+      consume<T, true>(p, ss, threadIdx.x - 128, n_block, head, batch);
+    } else {
+      consume<T, false>(p, ss, threadIdx.x - 128, n_block, head, batch);
+    }
   }
 }
 
