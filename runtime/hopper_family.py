@@ -101,15 +101,19 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
-    lacks (a packed batch, a forced dQ route other than atomic) and where TMA cannot address the
-    tensors.
+    lacks (a packed batch, a bias, a deterministic dQ, a forced dQ route other than atomic) and
+    where TMA cannot address the tensors.
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
     (GQA: fp32 per query head, summed over each group afterwards), dsink_parts (fp32 (B, H_q, key
     tiles) sums of p_sink * P * dP, written by every CTA)."""
-    if call.packed is not None:
-        raise UnsupportedError("the hopper backward takes dense batches only")
+    lacking = [what for what, given in (("packed batches", call.packed is not None),
+                                        ("a bias", call.bias is not None),
+                                        ("a deterministic mode", call.deterministic)) if given]
+    if lacking:
+        raise UnsupportedError(f"the hopper backward has no {' and no '.join(lacking)} yet: backend='portable' "
+                               "runs the call")
     forced = dq_routes.forced_route(call.deterministic)
     if forced not in (None, "atomic"):
         raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: the hopper backward adds dQ atomically")

@@ -317,3 +317,23 @@ def test_the_backward_dispatches_through_the_same_table(planned):
     assert choose("backward", None, (9, 0)) == "portable"
     with pytest.raises(UnsupportedError, match="16-byte"):
         choose("backward", "hopper", (9, 0))
+
+
+@pytest.mark.parametrize("what", ["packed", "bias", "deterministic"])
+def test_the_hopper_backward_refuses_what_it_lacks_by_name(what):
+    # Refused before any lookup or tensor map: an explicit backend="hopper" gets a typed error
+    # that names the feature (auto falls back to the portable family on it).
+    from flashkiln.calls import BackwardCall
+    from flashkiln.launch import ScratchSet
+    from flashkiln.varlen import PackedBatch
+
+    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.zeros(1, 2, 64)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    extra = {"packed": {"packed": PackedBatch(cu, cu, 64, 64)},
+             "bias": {"bias": prepare_bias(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)},
+             "deterministic": {}}[what]
+    call = BackwardCall(dout, q, k, v, out, lse, q, k, v, "none", 0.1, what == "deterministic", **extra)
+    expected = {"packed": "packed batches", "bias": "a bias", "deterministic": "a deterministic mode"}[what]
+    with pytest.raises(UnsupportedError, match=f"hopper backward has no {expected}"):
+        hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))

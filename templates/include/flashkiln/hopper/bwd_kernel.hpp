@@ -109,8 +109,8 @@ __device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int 
   }
 }
 
-// kSinkGrad: the call wants dSink's sums (p.dsink_parts); a template parameter rather than a branch
-// in the loop, which cost the calls without a sink 3-5% (docs/perf.md, v19).
+// kSinkGrad: the call wants dSink's sums (p.dsink_parts). A template parameter, chosen once per CTA
+// (bwd_kernel), not a branch in the loop (docs/perf.md, v19).
 template <class T, bool kSinkGrad>
 __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::SharedStorage& ss, int thread,
                                         int n_block, int head, int batch) {
@@ -187,7 +187,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   PipelineState<T::kStages> st;
   for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
     const bool has_next = m + 1 < tiles.end;
-    // The next tile's LSE or delta, stored for it once this tile's are read (before the barrier).
+    // This thread's share of the next tile's stats, stored once this tile's are read (before the barrier).
     const float next_stat = has_next ? row_stat<T, kSinkGrad>(p, thread, m + 1, head, batch) : 0.f;
     typename T::RowStats const& stats = ss.stats[buffer];
     const int row0 = m * T::kBlockM;
