@@ -9,7 +9,6 @@ random tensors from a printed seed.
 from __future__ import annotations
 
 import contextlib
-import logging
 from functools import partial
 from unittest import mock
 
@@ -18,6 +17,7 @@ import torch
 
 import flashkiln
 from flashkiln.dq_routes import DETERMINISTIC_ROUTES, ROUTE_ENV, ROUTES
+from backward_log import backward_plans
 from reference import attention_grad_reference, check_grads_against, repro_line, seed_of
 
 pytestmark = pytest.mark.gpu
@@ -48,31 +48,13 @@ def _poisoned_like(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return storage, storage[:, :, 1:-1]
 
 
-class _RouteLog(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.routes: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "dq route " in message:
-            self.routes.append(message.rsplit("dq route ", 1)[1])
-
-
 @contextlib.contextmanager
 def _forced_route(route: str):
     """Run the backward calls inside on `route`, and check that they took it."""
-    logger, handler = logging.getLogger("flashkiln"), _RouteLog()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        with mock.patch.dict("os.environ", {ROUTE_ENV: route}):
-            yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    assert handler.routes and set(handler.routes) == {route}, f"expected dq route {route}, took {handler.routes}"
+    with backward_plans() as plans, mock.patch.dict("os.environ", {ROUTE_ENV: route}):
+        yield
+    routes = [plan.route for plan in plans]
+    assert routes and set(routes) == {route}, f"expected dq route {route}, took {routes}"
 
 
 def _backward(dout, q, k, v, causal, scale=None, route="atomic"):

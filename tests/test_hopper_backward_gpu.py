@@ -4,13 +4,13 @@ family auto takes, and where it falls back.
 """
 from __future__ import annotations
 
-import logging
 from functools import partial
 
 import pytest
 import torch
 
 import flashkiln
+from backward_log import backward_plans
 from reference import GRAD_FLOOR, attention_grad_reference, check_grads_against, repro_line, seed_of
 
 pytestmark = pytest.mark.gpu
@@ -34,38 +34,21 @@ def _tensors(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, d: int, dty
     return make(hq, sq), make(hkv, sk), make(hkv, sk), make(hq, sq)
 
 
-class _FamilyLog(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.families: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("flashkiln backward: ") and " family, " in message:
-            self.families.append(message.split()[2])
-
-
 def _backward(dout, q, k, v, causal, backend, **kw):
     """Gradients written into NaN buffers framed by NaN canary rows; the family that ran them."""
     out, lse = flashkiln.attention_forward(q, k, v, causal=causal, **{n: kw[n] for n in ("bias", "sink") if n in kw})
     storages = [torch.full((*t.shape[:2], t.shape[2] + 2, t.shape[3]), float("nan"), device="cuda", dtype=t.dtype)
                 for t in (q, k, v)]
-    logger, handler = logging.getLogger("flashkiln"), _FamilyLog()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
+    with backward_plans() as plans:
         grads = flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend,
                                              dq=storages[0][:, :, 1:-1], dk=storages[1][:, :, 1:-1],
                                              dv=storages[2][:, :, 1:-1], **kw)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     torch.cuda.synchronize()
     for storage in storages:
         assert torch.isnan(storage[:, :, 0]).all() and torch.isnan(storage[:, :, -1]).all(), "canary overwritten"
-    assert len(set(handler.families)) == 1, handler.families
-    return grads, handler.families[0]
+    families = {plan.family for plan in plans}
+    assert len(families) == 1, plans
+    return grads, families.pop()
 
 
 def _check_both(q, k, v, dout, causal, repro):

@@ -35,14 +35,15 @@ PACKED_CASES = [
 
 def backward_on_every_route(out, q, k, v, lse, bias, **kwargs) -> list[torch.Tensor]:
     """A biased backward runs the deterministic routes only (and dBias the workspace one); with the
-    LSE's gradient, and dSink where there is a sink. Where the hopper family has the call's
-    backward (no bias, no dSink, a dense batch), it runs too."""
+    LSE's gradient, and dSink where there is a sink. The hopper family runs it too where it has
+    the call (it names what it lacks otherwise)."""
     grads = []
-    hopper = (bias is None and kwargs.get("packed") is None and q.shape[-1] in (64, 128)
-              and torch.cuda.get_device_capability() == (9, 0))
-    if hopper:
+    try:
         grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, dlse=torch.randn_like(lse),
-                                              backend="hopper", causal=kwargs.get("causal"))
+                                              backend="hopper", bias=bias, sink_grad=kwargs.get("sink") is not None,
+                                              **kwargs)
+    except (flashkiln.UnsupportedError, flashkiln.VariantNotFoundError):
+        pass
     for route in ROUTES if bias is None else ("ordered", "workspace"):
         with mock.patch.dict(os.environ, {ROUTE_ENV: route}):
             grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, dlse=torch.randn_like(lse),

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flashkiln
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from bench import time_ms  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from bench import time_ms, visible_pairs  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 CASES = [(d, s, causal, variant) for d in (64, 128, 256) for s in (2048, 8192) for causal in (False, True)
          for variant in ("plain",)]
@@ -53,7 +53,7 @@ def main() -> None:
             ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
             cudnn = time_ms(lambda: torch.autograd.grad(ref_out, leaves, dout, retain_graph=True), 3, args.reps,
                             flush_l2=True)
-        flops = 2.5 * 4 * b * h * d * (s * (s + 1) // 2 if causal else s * s)
+        flops = 2.5 * 4 * b * h * d * visible_pairs(s, s, causal)
         rows.append({"label": args.label, "d": d, "S": s, "causal": causal, "variant": variant, "ms": ours,
                      "cudnn_ms": cudnn, "ratio": cudnn / ours, "tflops": flops / ours / 1e9,
                      "cudnn_tflops": flops / cudnn / 1e9})
