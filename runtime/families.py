@@ -10,7 +10,7 @@ VariantNotFoundError at lookup). The route taken is logged at DEBUG.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -30,12 +30,19 @@ class Family:
     name: str
     runs_on: Callable[[tuple[int, int]], str | None]  # why it cannot run on a capability, or None
     planners: dict[str, Callable[..., Any]]  # direction -> planner(call, target, registry, scratch)
+    # direction -> the functional fields of the call's main kernel, where they are not call.request's
+    requests: dict[str, Callable[[Any], dict]] = field(default_factory=dict)
+
+    def request(self, direction: str, call: Any) -> dict:
+        make = self.requests.get(direction)
+        return make(call) if make is not None else call.request(self.name)
 
 
 # In auto's order of preference.
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(hopper_family.NAME, hopper_family.runs_on,
-           {"forward": hopper_family.plan_forward, "backward": hopper_family.plan_backward}),
+           {"forward": hopper_family.plan_forward, "backward": hopper_family.plan_backward},
+           {"backward": hopper_family.backward_request}),
     Family(portable_family.NAME, portable_family.runs_on,
            {"forward": portable_family.plan_forward, "backward": portable_family.plan_backward}),
 )}
@@ -64,7 +71,7 @@ def plan(direction: str, call: Any, backend: str | None, target: Target, registr
     for family in candidates:
         last = family is candidates[-1]
         # The last candidate looks its variant up itself: its errors name what is missing (or JIT builds it).
-        if not last and not registry.has(call.request(family.name), target.capability):
+        if not last and not registry.has(family.request(direction, call), target.capability):
             continue
         scratch = ScratchSet(device)
         try:

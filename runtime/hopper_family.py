@@ -3,8 +3,9 @@
 Forward (hopper/fwd_*.hpp): of a variant's several tunings it takes the one flashkiln.tile_choice
 estimates fastest for the call's shape. Backward (hopper/bwd_*.hpp): the portable family's
 preprocess (delta, the dQ accumulator zeroed), the main kernel (a CTA per key tile and query
-head), then its own postprocess; dense batches without bias or a deterministic dQ (those plan
-on the portable family: flashkiln.families falls back where this planner refuses).
+head), then its own postprocess; dense batches without bias (those plan on the portable family:
+flashkiln.families falls back where this planner refuses). One main kernel serves deterministic
+calls too: given semaphores it adds dQ in a fixed key-tile order.
 """
 from __future__ import annotations
 
@@ -98,29 +99,39 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
     return [KernelLaunch.planned(entry, grid, params, tensors, tensor_maps)]
 
 
+def backward_request(call: BackwardCall) -> dict:
+    """The functional fields of the call's main backward kernel: one kernel per causal mode serves
+    deterministic calls too (the runtime passes it semaphores)."""
+    return call.kernel_request("bwd", NAME, causal=call.causal)
+
+
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
-    lacks (a packed batch, a bias, a deterministic dQ, a forced dQ route other than atomic) and
-    where TMA cannot address the tensors.
+    lacks (a packed batch, a bias, a forced dQ route other than the call's atomic or ordered one)
+    and where TMA cannot address the tensors. A deterministic call takes the ordered route: the
+    same kernel, given dq_semaphore.
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
     (GQA: fp32 per query head, summed over each group afterwards), dsink_parts (fp32 (B, H_q, key
-    tiles) sums of p_sink * P * dP, written by every CTA)."""
+    tiles) sums of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
+    H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
+    a query tile's dQ)."""
     lacking = [what for what, given in (("packed batches", call.packed is not None),
-                                        ("a bias", call.bias is not None),
-                                        ("a deterministic mode", call.deterministic)) if given]
+                                        ("a bias", call.bias is not None)) if given]
     if lacking:
         raise UnsupportedError(f"the hopper backward has no {' and no '.join(lacking)} yet: backend='portable' "
                                "runs the call")
+    route = dq_routes.fallback_route(call.deterministic)
     forced = dq_routes.forced_route(call.deterministic)
-    if forced not in (None, "atomic"):
-        raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: the hopper backward adds dQ atomically")
+    if forced not in (None, route):
+        raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: the hopper backward takes the {route} route for "
+                               "this call")
     q, k, v = call.q, call.k, call.v
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    main = registry.find(call.request(NAME), target.capability)
+    main = registry.find(backward_request(call), target.capability)
     pre = registry.find(call.kernel_request("bwd_pre", portable_family.NAME), target.capability)
     post = registry.find(call.kernel_request("bwd_post", NAME), target.capability)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
@@ -130,8 +141,12 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     f32 = torch.float32
     scratch.take("delta", (b, hq, sq), f32)
     scratch.take("dq_accum", (b, hq, sq_rounded, d), f32)
-    for role in ("dq_semaphore", "ds_workspace"):
-        scratch.absent(role)
+    scratch.absent("ds_workspace")
+    if call.deterministic:
+        warpgroups = tile_n // 64  # hopper/bwd_traits.hpp: a consumer warpgroup per 64 keys
+        scratch.take("dq_semaphore", (b, hq, sq_rounded // tile_m, warpgroups), torch.int32, zeroed=True)
+    else:
+        scratch.absent("dq_semaphore")
     if call.sink_parts:
         scratch.take("dsink_parts", (b, hq, ceil_div(sk, tile_n)), f32)
     else:
@@ -160,4 +175,4 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         KernelLaunch.planned(main, (ceil_div(sk, tile_n), hq, b), params, tensors, tensor_maps),
         KernelLaunch.planned(post, (ceil_div(sq, post.descriptor["tile_m"]), hq, b), rows, tensors),
     ]
-    return BackwardLaunches(launches, "atomic")
+    return BackwardLaunches(launches, route)

@@ -1,7 +1,9 @@
 """Attention backward on the GPU: dq, dk, dv against the fp32 reference (FA-style(3)), determinism.
 
 Each dq route is run by name ("atomic", and the deterministic "ordered" and "workspace"), forced
-through $FLASHKILN_BACKWARD_ROUTE and checked in the route log.
+through $FLASHKILN_BACKWARD_ROUTE and checked in the route log. Auto takes the hopper family
+where it has the call (its atomic and ordered routes); the portable family's ordered route is
+also forced by `backend=` where auto would not take it.
 
 Gradients are written into NaN-poisoned buffers with NaN canaries around them; inputs are fresh
 random tensors from a printed seed.
@@ -57,35 +59,42 @@ def _forced_route(route: str):
     assert routes and set(routes) == {route}, f"expected dq route {route}, took {routes}"
 
 
-def _backward(dout, q, k, v, causal, scale=None, route="atomic"):
+def _backward(dout, q, k, v, causal, scale=None, route="atomic", backend=None):
     out, lse = flashkiln.attention_forward(q, k, v, causal=causal, scale=scale)
     storages, buffers = zip(*(_poisoned_like(t) for t in (q, k, v)))
     with _forced_route(route):
         grads = flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
                                              deterministic=route != "atomic", dq=buffers[0], dk=buffers[1],
-                                             dv=buffers[2])
+                                             dv=buffers[2], backend=backend)
     torch.cuda.synchronize()
     for storage in storages:
         assert torch.isnan(storage[:, :, 0]).all() and torch.isnan(storage[:, :, -1]).all(), "canary overwritten"
     return grads
 
 
-def _check_grads(dout, q, k, v, causal, repro: str, scale=None, route="atomic") -> None:
-    grads = _backward(dout, q, k, v, causal, scale, route)
+def _check_grads(dout, q, k, v, causal, repro: str, scale=None, route="atomic", backend=None) -> None:
+    grads = _backward(dout, q, k, v, causal, scale, route, backend)
     check_grads_against(grads, attention_grad_reference(q, k, v, dout, causal, scale, torch.float32),
                         attention_grad_reference(q, k, v, dout, causal, scale, q.dtype), repro)
 
 
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in HEAD_DIMS])
+# Head dims with a hopper backward: auto takes it there, so the portable family's ordered route runs
+# forced by backend= too.
+HOPPER_DIMS = {(64, 64), (128, 128)}
+ROUTE_CASES = [pytest.param(dims, route, backend, id=f"d{dims[0]}x{dims[1]}-{route}{'-portable' if backend else ''}")
+               for dims in HEAD_DIMS for route in ROUTES
+               for backend in ((None, "portable") if route == "ordered" and dims in HOPPER_DIMS else (None,))]
+
+
+@pytest.mark.parametrize("dims,route,backend", ROUTE_CASES)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
-def test_sweep_gqa_bf16(sq, sk, causal, dims, route):
+def test_sweep_gqa_bf16(sq, sk, causal, dims, route, backend):
     """GQA 6/2, every S pair, head dims, causal mode and dq route."""
     seed = seed_of("bwd", sq, sk, causal, dims)
     q, k, v, dout = _tensors(seed, 2, 6, 2, sq, sk, *dims, torch.bfloat16)
     _check_grads(dout, q, k, v, causal, _repro("test_sweep_gqa_bf16", seed=seed, sq=sq, sk=sk, causal=causal,
-                                                dims=dims, route=route), route=route)
+                                                dims=dims, route=route, backend=backend), route=route, backend=backend)
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 1), (6, 6)], ids=["mqa6-1", "mha6"])
@@ -99,22 +108,22 @@ def test_heads_and_fp16(dims, sq, sk, causal, hq, hkv):
                                                 causal=causal, hq=hq, hkv=hkv))
 
 
-@pytest.mark.parametrize("route", DETERMINISTIC_ROUTES)
+@pytest.mark.parametrize("route,backend", [("ordered", None), ("ordered", "portable"), ("workspace", None)])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)], ids=["mha", "gqa"])
-def test_deterministic_is_bitwise_reproducible(hq, hkv, causal, route):
+def test_deterministic_is_bitwise_reproducible(hq, hkv, causal, route, backend):
     """20 runs of the deterministic backward give identical dq, dk, dv (buffers re-poisoned each run)."""
     seed = seed_of("det", hq, hkv, causal)
     q, k, v, dout = _tensors(seed, 2, hq, hkv, 1000, 1100, 128, 128, torch.bfloat16)
-    first = _backward(dout, q, k, v, causal, route=route)
+    first = _backward(dout, q, k, v, causal, route=route, backend=backend)
     for _ in range(19):
-        again = _backward(dout, q, k, v, causal, route=route)
+        again = _backward(dout, q, k, v, causal, route=route, backend=backend)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"{name} differs between deterministic runs (seed {seed})"
     check_grads_against(first, attention_grad_reference(q, k, v, dout, causal, None, torch.float32),
                         attention_grad_reference(q, k, v, dout, causal, None, q.dtype),
                         _repro("test_deterministic_is_bitwise_reproducible", seed=seed, hq=hq, hkv=hkv, causal=causal,
-                               route=route))
+                               route=route, backend=backend))
 
 
 @pytest.mark.parametrize("route", DETERMINISTIC_ROUTES)
@@ -129,9 +138,11 @@ def test_deterministic_every_head_dim(dims, route):
 
 
 def test_deterministic_routes_agree_closely():
-    """The two deterministic routes sum dq in different orders: equal within rounding, not bitwise."""
+    """The portable family's two deterministic routes sum dq in different orders: equal within
+    rounding, not bitwise."""
     q, k, v, dout = _tensors(seed_of("routes"), 2, 4, 4, 777, 900, 128, 128, torch.bfloat16)
-    ordered, workspace = (_backward(dout, q, k, v, "top_left", route=r) for r in DETERMINISTIC_ROUTES)
+    ordered, workspace = (_backward(dout, q, k, v, "top_left", route=r, backend="portable")
+                          for r in DETERMINISTIC_ROUTES)
     torch.testing.assert_close(workspace[0], ordered[0], rtol=2e-2, atol=2e-2)
     assert all(torch.equal(a, b) for a, b in zip(ordered[1:], workspace[1:])), "dk and dv do not depend on the route"
 

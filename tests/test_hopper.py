@@ -56,7 +56,7 @@ def test_default_hopper_specs_cover_the_backward_contract():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"kernel": "bwd", "bias": "additive", "tile_m": 64}, "no bias yet"),
-    ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "no fixed order"),
+    ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "serves deterministic calls too"),
     ({"kernel": "bwd", "packed": True, "tile_m": 64}, "dense batches only"),
     ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64}, "head dims 64 and 128"),
     ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
@@ -247,7 +247,12 @@ class FakeRegistry:
 
 
 class FakeCall:
+    causal = "none"
+
     def request(self, family: str) -> dict:
+        return {"family": family}
+
+    def kernel_request(self, kernel: str, family: str, **fields) -> dict:
         return {"family": family}
 
 
@@ -319,7 +324,7 @@ def test_the_backward_dispatches_through_the_same_table(planned):
         choose("backward", "hopper", (9, 0))
 
 
-@pytest.mark.parametrize("what", ["packed", "bias", "deterministic"])
+@pytest.mark.parametrize("what", ["packed", "bias"])
 def test_the_hopper_backward_refuses_what_it_lacks_by_name(what):
     # Refused before any lookup or tensor map: an explicit backend="hopper" gets a typed error
     # that names the feature (auto falls back to the portable family on it).
@@ -331,9 +336,53 @@ def test_the_hopper_backward_refuses_what_it_lacks_by_name(what):
     lse = torch.zeros(1, 2, 64)
     cu = torch.tensor([0, 64], dtype=torch.int32)
     extra = {"packed": {"packed": PackedBatch(cu, cu, 64, 64)},
-             "bias": {"bias": prepare_bias(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)},
-             "deterministic": {}}[what]
-    call = BackwardCall(dout, q, k, v, out, lse, q, k, v, "none", 0.1, what == "deterministic", **extra)
-    expected = {"packed": "packed batches", "bias": "a bias", "deterministic": "a deterministic mode"}[what]
+             "bias": {"bias": prepare_bias(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)}}[what]
+    call = BackwardCall(dout, q, k, v, out, lse, q, k, v, "none", 0.1, False, **extra)
+    expected = {"packed": "packed batches", "bias": "a bias"}[what]
     with pytest.raises(UnsupportedError, match=f"hopper backward has no {expected}"):
         hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
+
+
+def _dense_backward_call(deterministic: bool):
+    from flashkiln.calls import BackwardCall
+
+    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
+    return BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, "top_left", 0.1, deterministic)
+
+
+def test_one_hopper_backward_kernel_serves_deterministic_calls():
+    # The family table asks for the same main kernel either way; the portable family has a
+    # deterministic variant of its own.
+    call = _dense_backward_call(deterministic=True)
+    hopper_request = families.FAMILIES["hopper"].request("backward", call)
+    assert hopper_request == _dense_backward_call(deterministic=False).request("hopper")
+    assert hopper_request["deterministic"] is False and hopper_request["causal"] == "top_left"
+    assert families.FAMILIES["portable"].request("backward", call)["deterministic"] is True
+
+
+@pytest.mark.parametrize("deterministic, forced, allowed", [
+    (False, "atomic", True), (False, "ordered", False), (False, "workspace", False),
+    (True, "ordered", True), (True, "workspace", False),
+])
+def test_the_hopper_backward_takes_only_its_route(monkeypatch, deterministic, forced, allowed):
+    from flashkiln.dq_routes import ROUTE_ENV
+    from flashkiln.launch import ScratchSet
+
+    monkeypatch.setenv(ROUTE_ENV, forced)
+    call = _dense_backward_call(deterministic)
+
+    class LookedUp(Exception):
+        pass
+
+    class Registry:  # past the route check, the planner looks its kernels up
+        def find(self, request, capability):
+            raise LookedUp
+
+    plan = lambda: hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), ScratchSet(call.q.device))
+    if allowed:
+        with pytest.raises(LookedUp):
+            plan()
+    else:
+        with pytest.raises(UnsupportedError, match=f"{ROUTE_ENV}={forced}: the hopper backward takes the "
+                                                   f"{'ordered' if deterministic else 'atomic'} route"):
+            plan()

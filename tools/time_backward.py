@@ -3,8 +3,9 @@
 For A/B runs of two builds in one device call: run it once per tree (tools/pyenv.sh from each) and
 compare the `flashkiln / cudnn` ratios, which absorb the drift between the two processes. Timing:
 bench/bench.py's, with L2 flushed before each timed call.
-Usage: tools/pyenv.sh python3 tools/time_backward.py LABEL [--reps N] [--backend FAMILY] [--sweep] > out.json
-(--sweep: S 1k-16k at d 64 and 128 instead of the A/B cases.)
+Usage: tools/pyenv.sh python3 tools/time_backward.py LABEL [--reps N] [--backend FAMILY] [--sweep [VARIANT]]
+  > out.json
+(--sweep: S 1k-16k at d 64 and 128 instead of the A/B cases, as plain calls or deterministic or sink ones.)
 """
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from bench import time_ms, visible_pairs  # noqa: E402  (bench/ is a folder of s
 CASES = [(d, s, causal, variant) for d in (64, 128, 256) for s in (2048, 8192) for causal in (False, True)
          for variant in ("plain",)]
 CASES += [(128, 4096, causal, variant) for causal in (False, True) for variant in ("deterministic", "sink")]
-SWEEP = [(d, s, causal, "plain") for d in (64, 128) for causal in (False, True)
-         for s in (1024, 2048, 4096, 8192, 16384)]
+VARIANTS = ("plain", "deterministic", "sink")
+
+
+def sweep(variant: str) -> list[tuple[int, int, bool, str]]:
+    return [(d, s, causal, variant) for d in (64, 128) for causal in (False, True) for s in (1024, 2048, 4096, 8192, 16384)]
 
 
 def main() -> None:
@@ -34,10 +38,10 @@ def main() -> None:
     parser.add_argument("label")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--backend", help="the backward's family (default: auto)")
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="?", const="plain", choices=VARIANTS)
     args = parser.parse_args()
     rows = []
-    for d, s, causal, variant in SWEEP if args.sweep else CASES:
+    for d, s, causal, variant in sweep(args.sweep) if args.sweep else CASES:
         b, h = 16384 // s, 2048 // d
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)

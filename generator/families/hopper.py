@@ -58,7 +58,8 @@ class HopperFamily(Family):
         elem = ELEMENT_BYTES[d.dtype]
         tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + 2 * d.tile_m * d.tile_n)
         dq_staging = 4 * self.consumer_warpgroups(d) * d.tile_m * (d.d_qk // self.dq_parts(d))
-        stats_and_barriers = 2 * 3 * d.tile_m * 4 + 8 * (1 + 2 * d.stages) + 4 * 8  # + dSink's per-warp sums
+        barriers = 8 * (1 + 2 * d.stages + 2 * self.consumer_warpgroups(d))  # K/V, Q/dO ring, dQ staging
+        stats_and_barriers = 2 * 3 * d.tile_m * 4 + barriers + 4 * 8  # + dSink's per-warp sums
         return tiles + dq_staging + -(-stats_and_barriers // 1024) * 1024 + _ALIGN_SLACK
 
     def own_o_buffer(self, d: VariantDescriptor) -> bool:
@@ -98,8 +99,8 @@ class HopperFamily(Family):
     def _bwd_combination_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
         if d.deterministic:
-            errors.append("deterministic=true: the hopper backward adds dQ in no fixed order; the portable "
-                          "family has the deterministic routes")
+            errors.append("deterministic=true: the hopper backward's one kernel serves deterministic calls too "
+                          "(its dQ order is set at run time); list deterministic: [false]")
         if d.bias != "none":
             errors.append(f"bias={d.bias}: the hopper backward has no bias yet; the portable family has it")
         if d.packed:

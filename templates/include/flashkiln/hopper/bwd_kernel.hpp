@@ -1,11 +1,14 @@
 // Hopper attention backward (sm_90a), the main kernel: a CTA per (key tile, query head, batch
-// entry), warp-specialized. Warpgroup 0 is the producer (one thread loads K and V once, then Q
-// and dO of every query tile that sees the key tile through a ring of kStages buffers); each
-// consumer warpgroup owns 64 keys, keeps their dK and dV in registers over the loop and adds
-// each query tile's dQ to an fp32 accumulator with bulk reduce-adds. Around it run the
-// preprocess (delta, the accumulator zeroed) and the postprocess (hopper/bwd_post.hpp). See
+// entry), warp-specialized. Warpgroup 0 is the producer: one thread loads K and V once, then Q
+// and dO of every query tile that sees the key tile through a ring of kStages buffers, and one
+// thread per consumer warpgroup adds the dQ that warpgroup stages to an fp32 accumulator with
+// bulk reduce-adds (in a fixed key-tile order for a deterministic call). Each consumer
+// warpgroup owns 64 keys and keeps their dK and dV in registers over the loop. Around it run
+// the preprocess (delta, the accumulator zeroed) and the postprocess (hopper/bwd_post.hpp). See
 // docs/design.md, "Hopper backward kernel".
 #pragma once
+
+#include <cuda/atomic>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -25,15 +28,31 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-// Named barriers (0 is __syncthreads'): every consumer thread, then one per consumer warpgroup.
+// Named barrier (0 is __syncthreads'): every consumer thread.
 inline constexpr int kConsumersBarrier = 1;
-inline constexpr int kFirstWarpgroupBarrier = 2;
 
 // Adds `bytes` of fp32 from shared memory to global memory, as one asynchronous bulk operation of
 // the calling thread's bulk group (cute::tma_store_arrive commits it, tma_store_wait waits for its reads).
 __device__ __forceinline__ void bulk_reduce_add(float* global, uint32_t shared, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                ::"l"(global), "r"(shared), "r"(bytes) : "memory");
+}
+
+// A deterministic call's dQ order: the semaphore of a query tile's part counts the key tiles that
+// have added to it. The bulk adds run in the async proxy and the counts in the generic one, so a
+// proxy fence stands between the acquire and the next add, and between an add's completion (not
+// only its reads of shared memory) and the release.
+__device__ __forceinline__ void wait_for_turn(int* semaphore, int turn) {
+  cuda::atomic_ref<int, cuda::thread_scope_device> count(*semaphore);
+  while (count.load(cuda::memory_order_acquire) != turn) {
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+__device__ __forceinline__ void pass_turn(int* semaphore) {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  cuda::atomic_ref<int, cuda::thread_scope_device>(*semaphore).fetch_add(1, cuda::memory_order_release);
 }
 
 // The query tiles that see key tile n_block, of this CTA's sequence.
@@ -70,6 +89,46 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
       tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + offset, c * T::kBoxCols, m * T::kBlockM, head, batch);
     }
     st.advance();
+  }
+}
+
+// The dQ writer of consumer warpgroup `warpgroup`, one thread: adds each part of a query tile's
+// dQ that the warpgroup stages (every query tile's, or taking turns every other one's) to the
+// accumulator, then frees the staging buffer. With semaphores the key tiles of a query tile add
+// in a fixed order, from the last one that sees it down to tile 0 (the key tiles that see a
+// query tile are visible_key_tiles of its rows, the dual of visiting_query_tiles): the CTAs run
+// from the last key tile first, and a later key tile starts its sweep no later, so in steady
+// state under a causal mask nobody waits.
+template <class T>
+__device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::SharedStorage& ss, int warpgroup,
+                                         int n_block, int head, int batch) {
+  const TileRange tiles = query_tiles<T>(p, n_block);
+  const int part = T::kDqAlternate ? 0 : warpgroup;
+  const int64_t bh = int64_t(batch) * p.heads_q + head;
+  float* const accum = reinterpret_cast<float*>(p.dq_accum) + bh * p.dq_accum_rows * T::kDim +
+                       part * T::DqLayout::kPartFloats;
+  int* const semaphores = p.dq_semaphore == 0 ? nullptr
+                                              : reinterpret_cast<int*>(p.dq_semaphore) +
+                                                    bh * (p.dq_accum_rows / T::kBlockM) * T::kConsumerWarpgroups + part;
+  const auto vis = visibility<T::kCausal>(p.seqlen_q, p.seqlen_k);
+  const uint32_t staged = cute::cast_smem_ptr_to_uint(ss.dq + warpgroup * T::DqLayout::kPartFloats);
+  constexpr int kStep = T::kDqAlternate ? T::kConsumerWarpgroups : 1;
+  uint32_t phase = 0;
+  for (int m = tiles.first + (T::kDqAlternate ? warpgroup : 0); m < tiles.end; m += kStep, phase ^= 1) {
+    Barrier::wait(&ss.dq_full[warpgroup], phase);
+    int* const semaphore = semaphores == nullptr ? nullptr : semaphores + m * T::kConsumerWarpgroups;
+    if (semaphore != nullptr) {
+      const int row0 = m * T::kBlockM;
+      const int n_last = visible_key_tiles<T::kBlockN>(vis, row0, row0 + T::kBlockM, int(gridDim.x)).end - 1;
+      wait_for_turn(semaphore, n_last - n_block);
+    }
+    bulk_reduce_add(accum + int64_t(m) * T::DqLayout::kTileFloats, staged, T::kBytesDqPart);
+    cute::tma_store_arrive();
+    cute::tma_store_wait<0>();
+    Barrier::arrive(&ss.dq_empty[warpgroup]);
+    if (semaphore != nullptr) {
+      pass_turn(semaphore);
+    }
   }
 }
 
@@ -148,10 +207,6 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   const TileRange tiles = query_tiles<T>(p, n_block);
   const int key0 = n_block * T::kBlockN;
   float* const dq_stage = ss.dq + warpgroup * T::DqLayout::kPartFloats;
-  const uint32_t dq_stage_shared = cute::cast_smem_ptr_to_uint(dq_stage);
-  const int64_t dq_head_row = (int64_t(batch) * p.heads_q + head) * p.dq_accum_rows;
-  // This warpgroup's part of a query tile of the accumulator (taking turns: all of it).
-  const int dq_part = T::kDqAlternate ? 0 : warpgroup;
 
   clear(acc_dk);
   clear(acc_dv);
@@ -162,26 +217,18 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   Barrier::wait(&ss.kv_full, 0);
 
-  // dQ of the query tile from row0, in acc_dq: staged in this warpgroup's buffer once its previous
-  // bulk add has read it, then added to the accumulator.
-  const int wg_barrier = kFirstWarpgroupBarrier + warpgroup;
-  auto add_dq = [&](int row0) {
-    if (thread % 128 == 0) {
-      cute::tma_store_wait<0>();
-    }
-    named_barrier_sync(wg_barrier, 128);
+  // dQ of a query tile, in acc_dq: staged in this warpgroup's buffer once the writer's last bulk add
+  // has read it, then handed to the writer (write_dq).
+  uint32_t dq_phase = 0;
+  auto stage_dq = [&]() {
+    Barrier::wait(&ss.dq_empty[warpgroup], dq_phase ^ 1);
     CUTE_UNROLL
     for (int v = 0; v < size(acc_dq); v += 2) {
       reinterpret_cast<float2*>(dq_stage)[(v / 2) * 128 + thread % 128] = make_float2(acc_dq(v), acc_dq(v + 1));
     }
     cutlass::arch::fence_view_async_shared();  // generic writes, read by the bulk copy
-    named_barrier_sync(wg_barrier, 128);
-    if (thread % 128 == 0) {
-      float* tile = reinterpret_cast<float*>(p.dq_accum) + (dq_head_row + row0) * T::kDim +
-                    dq_part * T::DqLayout::kPartFloats;
-      bulk_reduce_add(tile, dq_stage_shared, T::kBytesDqPart);
-      cute::tma_store_arrive();
-    }
+    Barrier::arrive(&ss.dq_full[warpgroup]);
+    dq_phase ^= 1;
   };
 
   PipelineState<T::kStages> st;
@@ -251,7 +298,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     st.advance();
 
     if (own_dq) {
-      add_dq(row0);
+      stage_dq();
     }
   }
 
@@ -304,15 +351,14 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       }
     }
   }
-  if (thread % 128 == 0) {
-    cute::tma_store_wait<0>();  // the staging buffer outlives the last bulk add's reads
-  }
 }
 
 template <class T>
 __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
   auto& ss = aligned_shared_storage<typename T::SharedStorage>();
-  const int n_block = blockIdx.x;
+  // A deterministic call's dQ order runs from the last key tile down (write_dq): CTAs start in that
+  // order, so that none waits for one not yet running.
+  const int n_block = p.dq_semaphore != 0 ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
 
@@ -323,14 +369,22 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
       Barrier::init(&ss.q_full[s], 1);
       Barrier::init(&ss.q_empty[s], T::kConsumerThreads);
     }
+    CUTE_UNROLL
+    for (int w = 0; w < T::kConsumerWarpgroups; ++w) {
+      Barrier::init(&ss.dq_full[w], 128);
+      Barrier::init(&ss.dq_empty[w], 1);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
       produce<T>(p, ss, n_block, head, batch);
+    } else if (threadIdx.x % 32 == 0 && warp <= T::kConsumerWarpgroups) {
+      write_dq<T>(p, ss, warp - 1, n_block, head, batch);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();

@@ -24,13 +24,16 @@ struct HopperBwdParams {
   // float (batch, heads_q, key tiles): per CTA, the sum over its keys and rows of p_sink * P * dP
   // (dSink, as BwdParams::dsink_parts), or 0
   uint64_t dsink_parts;
+  // int (batch, heads_q, dq_accum_rows / kBlockM, consumer warpgroups), zeroed: with it (a
+  // deterministic call) the key tiles add each part of a query tile's dQ in a fixed order; or 0
+  uint64_t dq_semaphore;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
   int64_t dq_accum_rows;  // per head: seqlen_q rounded up to kDqAccumRowAlign
   int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   float scale;       // applied to Q K^T
   float scale_log2;  // scale * log2(e)
-  int32_t _pad[9];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  int32_t _pad[7];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

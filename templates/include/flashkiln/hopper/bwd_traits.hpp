@@ -32,8 +32,9 @@ struct BwdTraits {
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
-  // The producer (one thread issues every TMA load) hands its registers to the consumers, which
-  // hold dK and dV for the whole loop beside S, dP and dQ.
+  // The producer warpgroup (one thread issues every TMA load, one more per consumer warpgroup
+  // adds its dQ to the accumulator) hands its registers to the consumers, which hold dK and dV
+  // for the whole loop beside S, dP and dQ.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
@@ -106,6 +107,8 @@ struct BwdTraits {
     uint64_t kv_full;           // K and V landed
     uint64_t q_full[kStages];   // Q and dO of the stage landed
     uint64_t q_empty[kStages];  // every consumer finished the stage's GEMMs
+    uint64_t dq_full[kConsumerWarpgroups];   // the warpgroup's dQ part is staged in dq
+    uint64_t dq_empty[kConsumerWarpgroups];  // its writer's bulk add has read it
     float sink_sums[kConsumerThreads / 32];  // dSink: each consumer warp's share of the CTA's sum
   };
   static constexpr int kAlignSlack = 1024 - 16;  // the dynamic allocation starts 16-byte aligned
