@@ -3,9 +3,9 @@
 Forward (hopper/fwd_*.hpp): of a variant's several tunings it takes the one flashkiln.tile_choice
 estimates fastest for the call's shape. Backward (hopper/bwd_*.hpp): the portable family's
 preprocess (delta, the dQ accumulator zeroed), the main kernel (a CTA per key tile and query
-head), then its own postprocess; dense batches without bias (those plan on the portable family:
-flashkiln.families falls back where this planner refuses). One main kernel serves deterministic
-calls too: given semaphores it adds dQ in a fixed key-tile order.
+head), then its own postprocess; dense and packed batches without bias (a biased call plans on
+the portable family: flashkiln.families falls back where this planner refuses). One main kernel
+serves deterministic calls too: given semaphores it adds dQ in a fixed key-tile order.
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from .bias import KernelBias
 from .calls import BackwardCall, ForwardCall
 from .errors import UnsupportedError
 from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
-from .params import (BATCH_INNER, DQ_ACCUM_ROW_ALIGN, HEADS_INNER, QUERY_TILES_INNER, BwdParams, HopperBwdParams,
-                     HopperFwdParams)
+from .params import BATCH_INNER, HEADS_INNER, QUERY_TILES_INNER, BwdParams, HopperBwdParams, HopperFwdParams
 from .registry import KernelRegistry
 
 NAME = "hopper"
@@ -101,14 +100,15 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
 
 def backward_request(call: BackwardCall) -> dict:
     """The functional fields of the call's main backward kernel: one kernel per causal mode serves
-    deterministic calls too (the runtime passes it semaphores)."""
+    deterministic calls (the runtime passes it semaphores) and packed batches (it reads their
+    sequence bounds) too."""
     return call.kernel_request("bwd", NAME, causal=call.causal)
 
 
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
-    lacks (a packed batch, a bias, a forced dQ route other than the call's atomic or ordered one)
+    lacks (a bias, a forced dQ route other than the call's atomic or ordered one)
     and where TMA cannot address the tensors. A deterministic call takes the ordered route: the
     same kernel, given dq_semaphore.
 
@@ -118,55 +118,55 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     tiles) sums of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
     H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
     a query tile's dQ)."""
-    lacking = [what for what, given in (("packed batches", call.packed is not None),
-                                        ("a bias", call.bias is not None)) if given]
-    if lacking:
-        raise UnsupportedError(f"the hopper backward has no {' and no '.join(lacking)} yet: backend='portable' "
-                               "runs the call")
+    if call.bias is not None:
+        raise UnsupportedError("the hopper backward has no bias yet: backend='portable' runs the call")
     route = dq_routes.fallback_route(call.deterministic)
     forced = dq_routes.forced_route(call.deterministic)
     if forced not in (None, route):
         raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: the hopper backward takes the {route} route for "
                                "this call")
     q, k, v = call.q, call.k, call.v
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    layout_batches, hq, _, d = q.shape  # one layout batch entry for a packed batch (common/sequence.hpp)
+    hkv = k.shape[1]
+    shape = call.shape
+    b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     main = registry.find(backward_request(call), target.capability)
     pre = registry.find(call.kernel_request("bwd_pre", portable_family.NAME), target.capability)
     post = registry.find(call.kernel_request("bwd_post", NAME), target.capability)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
     maps = {"tma_q": (q, tile_m), "tma_k": (k, tile_n), "tma_v": (v, tile_n), "tma_do": (call.dout, tile_m)}
     encoded = {name: tma.encode(t, rows) for name, (t, rows) in maps.items()}  # UnsupportedError first
-    sq_rounded = ceil_div(sq, DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
+    sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows
     f32 = torch.float32
-    scratch.take("delta", (b, hq, sq), f32)
-    scratch.take("dq_accum", (b, hq, sq_rounded, d), f32)
+    packed = call.packed is not None
+    scratch.take("delta", (layout_batches, hq, shape.total_q), f32)
+    scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d), f32)  # zeroed by the preprocess
     scratch.absent("ds_workspace")
     if call.deterministic:
         warpgroups = tile_n // 64  # hopper/bwd_traits.hpp: a consumer warpgroup per 64 keys
-        scratch.take("dq_semaphore", (b, hq, sq_rounded // tile_m, warpgroups), torch.int32, zeroed=True)
+        scratch.take("dq_semaphore", (b, hq, ceil_div(sq, tile_m), warpgroups), torch.int32, zeroed=True)
     else:
         scratch.absent("dq_semaphore")
-    if call.sink_parts:
-        scratch.take("dsink_parts", (b, hq, ceil_div(sk, tile_n)), f32)
+    if call.sink_parts:  # zeros: the CTAs past a shorter packed sequence's key tiles write nothing
+        scratch.take("dsink_parts", (b, hq, ceil_div(sk, tile_n)), f32, zeroed=packed)
     else:
         scratch.absent("dsink_parts")
     if hq != hkv:
-        scratch.take("dk_accum", (b, hq, sk, d), f32)
-        scratch.take("dv_accum", (b, hq, sk, d), f32)
+        # Zeros for the keys of a packed batch that lie in no sequence.
+        scratch.take("dk_accum", (layout_batches, hq, shape.total_k, d), f32, zeroed=packed)
+        scratch.take("dv_accum", (layout_batches, hq, shape.total_k, d), f32, zeroed=packed)
     else:
         scratch.absent("dk_accum")
         scratch.absent("dv_accum")
-    shape = call.shape
     scale_log2 = call.scale * math.log2(math.e)
     rows = BwdParams(
         **inputs.stride_fields("o", call.out), **inputs.stride_fields("do", call.dout),
         **inputs.stride_fields("dq", call.dq), heads_q=hq, heads_kv=hkv, **shape.params(),
-        seqlen_q_rounded=sq_rounded, dq_accum_rows=sq_rounded, scale=call.scale, scale_log2=scale_log2)
+        seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows, scale=call.scale, scale_log2=scale_log2)
     params = HopperBwdParams(
-        **encoded, **inputs.stride_fields("dk", call.dk),
-        **inputs.stride_fields("dv", call.dv), dq_accum_rows=sq_rounded, batch=b, heads_q=hq, heads_kv=hkv,
-        seqlen_q=sq, seqlen_k=sk, scale=call.scale, scale_log2=scale_log2)
+        **encoded, **inputs.stride_fields("dk", call.dk), **inputs.stride_fields("dv", call.dv),
+        dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), scale=call.scale,
+        scale_log2=scale_log2)
     tensors = {**call.tensors(), **scratch.tensors}
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout"}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())

@@ -16,7 +16,7 @@ from .calls import BackwardCall, ForwardCall
 from .errors import UnsupportedError, VariantNotFoundError
 from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
 from .manifest import KernelEntry
-from .params import DQ_ACCUM_ROW_ALIGN, BwdParams, FwdParams
+from .params import BwdParams, FwdParams
 from .registry import KernelRegistry
 from .varlen import BatchShape
 
@@ -74,9 +74,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         main = registry.find(call.request(NAME), target.capability)
     pre = registry.find(call.kernel_request("bwd_pre", NAME), target.capability)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
-    sq_rounded = ceil_div(sq, DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
-    # Dense: (B, H_q, sq_rounded); packed: (1, H_q, total_q + B * align) (common/sequence.hpp).
-    dq_accum_rows = sq_rounded if call.packed is None else shape.total_q + b * DQ_ACCUM_ROW_ALIGN
+    sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows
     f32 = torch.float32
     layout_batches = q.shape[0]  # 1 for a packed batch: every sequence lives in entry 0
     scratch.take("delta", (layout_batches, hq, shape.total_q), f32)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import inputs
+from .params import DQ_ACCUM_ROW_ALIGN
 
 _MAX_TOKENS = 2**31 - 1  # token counts travel as int32
 TOKENS = "(total_tokens, heads, head_dim)"  # the layout of q, k, v, out and their gradients
@@ -82,6 +83,17 @@ class BatchShape:
         """No query row or no key: nothing for a kernel to compute."""
         return self.batch == 0 or self.seqlen_q == 0 or self.seqlen_k == 0 or self.total_q == 0 \
             or self.total_k == 0
+
+    @property
+    def seqlen_q_rounded(self) -> int:
+        """seqlen_q rounded up to DQ_ACCUM_ROW_ALIGN."""
+        return -(-self.seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
+
+    @property
+    def dq_accum_rows(self) -> int:
+        """Rows per head of the fp32 dQ accumulator (common/sequence.hpp): dense, seqlen_q_rounded;
+        packed, total_q + batch * DQ_ACCUM_ROW_ALIGN (sequence b from cu_seqlens_q[b] + b * align)."""
+        return self.seqlen_q_rounded if self.packed is None else self.total_q + self.batch * DQ_ACCUM_ROW_ALIGN
 
     def params(self) -> dict[str, int]:
         """The params fields that describe the batch (FwdParams and BwdParams share them)."""

@@ -57,7 +57,7 @@ def test_default_hopper_specs_cover_the_backward_contract():
 @pytest.mark.parametrize("overrides, message", [
     ({"kernel": "bwd", "bias": "additive", "tile_m": 64}, "no bias yet"),
     ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "serves deterministic calls too"),
-    ({"kernel": "bwd", "packed": True, "tile_m": 64}, "dense batches only"),
+    ({"kernel": "bwd", "packed": True, "tile_m": 64}, "sequence bounds at run time"),
     ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64}, "head dims 64 and 128"),
     ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
     ({"kernel": "bwd_post", "causal": "top_left", "tile_m": 64}, "does not mask"),
@@ -324,22 +324,17 @@ def test_the_backward_dispatches_through_the_same_table(planned):
         choose("backward", "hopper", (9, 0))
 
 
-@pytest.mark.parametrize("what", ["packed", "bias"])
-def test_the_hopper_backward_refuses_what_it_lacks_by_name(what):
+def test_the_hopper_backward_refuses_a_bias_by_name():
     # Refused before any lookup or tensor map: an explicit backend="hopper" gets a typed error
     # that names the feature (auto falls back to the portable family on it).
     from flashkiln.calls import BackwardCall
     from flashkiln.launch import ScratchSet
-    from flashkiln.varlen import PackedBatch
 
     q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
     lse = torch.zeros(1, 2, 64)
-    cu = torch.tensor([0, 64], dtype=torch.int32)
-    extra = {"packed": {"packed": PackedBatch(cu, cu, 64, 64)},
-             "bias": {"bias": prepare_bias(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)}}[what]
-    call = BackwardCall(dout, q, k, v, out, lse, q, k, v, "none", 0.1, False, **extra)
-    expected = {"packed": "packed batches", "bias": "a bias"}[what]
-    with pytest.raises(UnsupportedError, match=f"hopper backward has no {expected}"):
+    bias = prepare_bias(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)
+    call = BackwardCall(dout, q, k, v, out, lse, q, k, v, "none", 0.1, False, bias=bias)
+    with pytest.raises(UnsupportedError, match="hopper backward has no bias"):
         hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
 
 

@@ -4,7 +4,7 @@ Token tensors hold NaN tokens past the last sequence and sit between NaN canary 
 kernels must not use them (NaN would spread into the results), and their rows of out and lse,
 given NaN-filled, come back as O = 0 and LSE = -inf (flashkiln.varlen's rule for tokens in no
 sequence). Zero-length query and key sequences are in every case.
-The forwards run on both families (the hopper one on compute capability 9.0).
+The forwards and backwards run on both families (the hopper one on compute capability 9.0).
 """
 from __future__ import annotations
 
@@ -236,19 +236,27 @@ def test_hopper_plan_of_a_packed_batch():
         assert launch.params.total_q == case.q.shape[0] and launch.params.cu_seqlens_q == case.cu_q.data_ptr()
 
 
-@pytest.mark.parametrize("route", ROUTES)
+# The hopper backward has the atomic and ordered routes; the workspace route is the portable family's.
+BACKWARD_CASES = [(route, backend) for route in ROUTES for backend in BACKENDS
+                  if route != "workspace" or backend == "portable"]
+
+
+@pytest.mark.parametrize("route,backend", BACKWARD_CASES)
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=["d64", "d128"])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-@pytest.mark.parametrize("lengths", SHORT)
+@pytest.mark.parametrize("lengths", list(LENGTHS))
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
-def test_backward_matches_each_sequence_alone(hq, hkv, lengths, causal, route):
-    seed = seed_of("varlen-bwd", hq, hkv, lengths, causal)
-    case = _packed_case(seed, lengths, hq, hkv)
+def test_backward_matches_each_sequence_alone(hq, hkv, lengths, causal, dims, route, backend):
+    _skip_unless_runs(backend)
+    seed = seed_of("varlen-bwd", hq, hkv, lengths, causal, dims)
+    case = _packed_case(seed, lengths, hq, hkv, dims)
     repro = _repro("test_backward_matches_each_sequence_alone", hq=hq, hkv=hkv, lengths=lengths, causal=causal,
-                   route=route)
+                   dims=dims, route=route, backend=backend)
     out, lse = _forward(case, causal)
     with _forced_route(route):
         grads = flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal,
-                                             packed=case.packed(), deterministic=route != "atomic")
+                                             packed=case.packed(), deterministic=route != "atomic",
+                                             backend=backend)
     torch.cuda.synchronize()
     assert case.canaries_intact(), "canary overwritten"
     # Tokens in no sequence get exact zeros; the reference has zeros there too.
@@ -346,3 +354,27 @@ def test_validate_checks_offsets_on_the_device_tensors():
     assert torch.equal(out, flashkiln.varlen_attention(*args))
     with pytest.raises(flashkiln.InvalidInputError, match="not in \\[0, max_seqlen"):
         flashkiln.varlen_attention(*args[:5], case.max_q - 1, case.max_k, validate=True)
+
+
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_hopper_deterministic_backward_with_sinks(lengths, causal):
+    """The hopper backward's ordered dQ on packed batches with GQA and sinks: dq, dk, dv and dSink
+    bitwise equal over 20 runs, and against each sequence alone."""
+    _skip_unless_runs("hopper")
+    seed = seed_of("varlen-hopper-det", lengths, causal)
+    case = _packed_case(seed, lengths, hq=6, hkv=2)
+    sink = torch.linspace(-2.0, 3.0, case.q.shape[1], device="cuda")
+    repro = _repro("test_hopper_deterministic_backward_with_sinks", lengths=lengths, causal=causal)
+    out, lse = _forward(case, causal, None, sink)
+    with _forced_route("ordered"):  # the first call plans (and logs its route); the others hit the plan cache
+        runs = [flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal, sink=sink,
+                                             sink_grad=True, packed=case.packed(), deterministic=True,
+                                             backend="hopper") for _ in range(20)]
+    torch.cuda.synchronize()
+    assert case.canaries_intact(), "canary overwritten"
+    for run in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv", "dsink"), runs[0], run):
+            assert torch.equal(a, b), f"{name} differs between runs\n{repro}"
+    check_grads_against(runs[0], _reference_grads(case, causal, None, sink, torch.float32),
+                        _reference_grads(case, causal, None, sink, case.q.dtype), repro)

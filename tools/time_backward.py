@@ -30,7 +30,8 @@ VARIANTS = ("plain", "deterministic", "sink")
 
 
 def sweep(variant: str) -> list[tuple[int, int, bool, str]]:
-    return [(d, s, causal, variant) for d in (64, 128) for causal in (False, True) for s in (1024, 2048, 4096, 8192, 16384)]
+    return [(d, s, causal, variant) for d in (64, 128) for causal in (False, True)
+            for s in (1024, 2048, 4096, 8192, 16384)]
 
 
 def main() -> None:

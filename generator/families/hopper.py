@@ -104,7 +104,8 @@ class HopperFamily(Family):
         if d.bias != "none":
             errors.append(f"bias={d.bias}: the hopper backward has no bias yet; the portable family has it")
         if d.packed:
-            errors.append("packed=true: the hopper backward takes dense batches only")
+            errors.append("packed=true: the hopper backward reads a packed batch's sequence bounds at run time; "
+                          "list packed: [false]")
         if d.d_qk != d.d_v:
             errors.append(f"d_qk={d.d_qk}, d_v={d.d_v}: the hopper backward needs equal head dims")
         if d.d_qk not in (64, 128):

@@ -16,6 +16,7 @@
 
 #include <flashkiln/common/fragment.hpp>
 #include <flashkiln/common/math.hpp>
+#include <flashkiln/common/sequence.hpp>
 #include <flashkiln/common/visibility.hpp>
 #include <flashkiln/hopper/bwd_params.hpp>
 #include <flashkiln/hopper/bwd_traits.hpp>
@@ -28,8 +29,9 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-// Named barrier (0 is __syncthreads'): every consumer thread.
+// Named barriers (0 is __syncthreads'): every consumer thread, then one per consumer warpgroup.
 inline constexpr int kConsumersBarrier = 1;
+inline constexpr int kFirstWarpgroupBarrier = 2;
 
 // Adds `bytes` of fp32 from shared memory to global memory, as one asynchronous bulk operation of
 // the calling thread's bulk group (cute::tma_store_arrive commits it, tma_store_wait waits for its reads).
@@ -55,29 +57,32 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
   cuda::atomic_ref<int, cuda::thread_scope_device>(*semaphore).fetch_add(1, cuda::memory_order_release);
 }
 
-// The query tiles that see key tile n_block, of this CTA's sequence.
+// The query tiles of sequence s that see its key tile n_block.
 template <class T>
-__device__ __forceinline__ TileRange query_tiles(HopperBwdParams const& p, int n_block) {
-  return visiting_query_tiles<T::kBlockM, T::kBlockN>(visibility<T::kCausal>(p.seqlen_q, p.seqlen_k), n_block,
-                                                      ceil_div(p.seqlen_q, T::kBlockM));
+__device__ __forceinline__ TileRange query_tiles(Sequence const& s, int n_block) {
+  return visiting_query_tiles<T::kBlockM, T::kBlockN>(visibility<T::kCausal>(s.seqlen_q, s.seqlen_k), n_block,
+                                                      ceil_div(s.seqlen_q, T::kBlockM));
 }
 
+// Token coordinates fit in int (runtime/varlen.py).
 template <class T>
-__device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::SharedStorage& ss, int n_block,
-                                        int head, int batch) {
+__device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
+                                        int n_block, int head) {
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_q));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_do));
   const int head_kv = head / (p.heads_q / p.heads_kv);
+  const int entry = int(s.layout_batch());
+  const int key_row = int(s.k_begin) + n_block * T::kBlockN;
   TxBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * T::kBytesK);
   CUTE_UNROLL
   for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
     const int offset = c * T::kBlockN * T::kBoxCols;
-    tma_load(&p.tma_k, &ss.kv_full, ss.k + offset, c * T::kBoxCols, n_block * T::kBlockN, head_kv, batch);
-    tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kBoxCols, n_block * T::kBlockN, head_kv, batch);
+    tma_load(&p.tma_k, &ss.kv_full, ss.k + offset, c * T::kBoxCols, key_row, head_kv, entry);
+    tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kBoxCols, key_row, head_kv, entry);
   }
-  const TileRange tiles = query_tiles<T>(p, n_block);
+  const TileRange tiles = query_tiles<T>(s, n_block);
   PipelineState<T::kStages> st;
   for (int m = tiles.first; m < tiles.end; ++m) {
     Barrier::wait(&ss.q_empty[st.stage], st.phase ^ 1);
@@ -85,8 +90,9 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     CUTE_UNROLL
     for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
       const int offset = st.stage * T::kElemsQ + c * T::kBlockM * T::kBoxCols;
-      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + offset, c * T::kBoxCols, m * T::kBlockM, head, batch);
-      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + offset, c * T::kBoxCols, m * T::kBlockM, head, batch);
+      const int row = int(s.q_begin) + m * T::kBlockM;
+      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + offset, c * T::kBoxCols, row, head, entry);
+      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + offset, c * T::kBoxCols, row, head, entry);
     }
     st.advance();
   }
@@ -100,17 +106,18 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
 // from the last key tile first, and a later key tile starts its sweep no later, so in steady
 // state under a causal mask nobody waits.
 template <class T>
-__device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::SharedStorage& ss, int warpgroup,
-                                         int n_block, int head, int batch) {
-  const TileRange tiles = query_tiles<T>(p, n_block);
+__device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
+                                         int warpgroup, int n_block, int head) {
+  const TileRange tiles = query_tiles<T>(s, n_block);
   const int part = T::kDqAlternate ? 0 : warpgroup;
-  const int64_t bh = int64_t(batch) * p.heads_q + head;
-  float* const accum = reinterpret_cast<float*>(p.dq_accum) + bh * p.dq_accum_rows * T::kDim +
+  float* const accum = reinterpret_cast<float*>(p.dq_accum) + s.dq_accum_row(p, head) * T::kDim +
                        part * T::DqLayout::kPartFloats;
+  const int64_t semaphore_tiles = (int64_t(s.batch) * p.heads_q + head) * ceil_div(p.seqlen_q, T::kBlockM);
   int* const semaphores = p.dq_semaphore == 0 ? nullptr
                                               : reinterpret_cast<int*>(p.dq_semaphore) +
-                                                    bh * (p.dq_accum_rows / T::kBlockM) * T::kConsumerWarpgroups + part;
-  const auto vis = visibility<T::kCausal>(p.seqlen_q, p.seqlen_k);
+                                                    semaphore_tiles * T::kConsumerWarpgroups + part;
+  const auto vis = visibility<T::kCausal>(s.seqlen_q, s.seqlen_k);
+  const int n_tiles = ceil_div(s.seqlen_k, T::kBlockN);
   const uint32_t staged = cute::cast_smem_ptr_to_uint(ss.dq + warpgroup * T::DqLayout::kPartFloats);
   constexpr int kStep = T::kDqAlternate ? T::kConsumerWarpgroups : 1;
   uint32_t phase = 0;
@@ -119,7 +126,7 @@ __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::S
     int* const semaphore = semaphores == nullptr ? nullptr : semaphores + m * T::kConsumerWarpgroups;
     if (semaphore != nullptr) {
       const int row0 = m * T::kBlockM;
-      const int n_last = visible_key_tiles<T::kBlockN>(vis, row0, row0 + T::kBlockM, int(gridDim.x)).end - 1;
+      const int n_last = visible_key_tiles<T::kBlockN>(vis, row0, row0 + T::kBlockM, n_tiles).end - 1;
       wait_for_turn(semaphore, n_last - n_block);
     }
     bulk_reduce_add(accum + int64_t(m) * T::DqLayout::kTileFloats, staged, T::kBytesDqPart);
@@ -136,16 +143,16 @@ __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::S
 // (base 2) of one row each, the next kBlockM threads its delta, the next its sink weight (with
 // kSinkGrad), the others nothing.
 template <class T, bool kSinkGrad>
-__device__ __forceinline__ float row_stat(HopperBwdParams const& p, int thread, int m, int head, int batch) {
+__device__ __forceinline__ float row_stat(HopperBwdParams const& p, Sequence const& s, int thread, int m, int head) {
   const int row = m * T::kBlockM + thread % T::kBlockM;
   const int kind = thread / T::kBlockM;  // 0: LSE, 1: delta, 2: sink weight
   if (kind > (kSinkGrad ? 2 : 1)) {
     return 0.f;
   }
-  if (row >= p.seqlen_q) {
+  if (row >= s.seqlen_q) {
     return kind == 0 ? kInfinity : 0.f;  // P = 0 for rows past the sequence
   }
-  const int64_t index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + row;
+  const int64_t index = s.q_row(p, head) + row;
   if (kind == 1) {
     return reinterpret_cast<float const*>(p.delta)[index];
   }
@@ -171,8 +178,8 @@ __device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int 
 // kSinkGrad: the call wants dSink's sums (p.dsink_parts). A template parameter, chosen once per CTA
 // (bwd_kernel), not a branch in the loop (docs/perf.md, v19).
 template <class T, bool kSinkGrad>
-__device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::SharedStorage& ss, int thread,
-                                        int n_block, int head, int batch) {
+__device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
+                                        int thread, int n_block, int head) {
   using Element = typename T::Element;
   const int warpgroup = thread / 128;
   typename T::TiledMmaSdP mma_sdp;
@@ -203,19 +210,34 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   Tensor tdVrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
   Tensor tdKrdS = make_tensor(ds_regs.data(), acc_as_operand_a(ds_regs.layout()));
 
-  const auto vis = visibility<T::kCausal>(p.seqlen_q, p.seqlen_k);
-  const TileRange tiles = query_tiles<T>(p, n_block);
+  const auto vis = visibility<T::kCausal>(s.seqlen_q, s.seqlen_k);
+  const TileRange tiles = query_tiles<T>(s, n_block);
   const int key0 = n_block * T::kBlockN;
+  // A packed batch's tiles at a sequence's end hold other tokens (the next sequence's, or any value
+  // past the last one) where a dense batch's TMA loads zero-fill. Their P and dS are zero, but
+  // wgmma would still multiply their values by those zeros (NaN stays NaN), so each warpgroup
+  // zeroes those rows of K and V, and of the last query tile's Q and dO, before its GEMMs read
+  // them. Both write the same zeros, so neither can see a value the other has not also written.
+  const int wg_barrier = kFirstWarpgroupBarrier + warpgroup;
+  auto zero_past_end = [&](Element* a, Element* b, int first, auto rows) {
+    zero_rows<decltype(rows)::value, T::kDim>(a, first, thread % 128);
+    zero_rows<decltype(rows)::value, T::kDim>(b, first, thread % 128);
+    cutlass::arch::fence_view_async_shared();  // generic writes that wgmma reads next
+    named_barrier_sync(wg_barrier, 128);
+  };
   float* const dq_stage = ss.dq + warpgroup * T::DqLayout::kPartFloats;
 
   clear(acc_dk);
   clear(acc_dv);
   float sink_share = 0.f;  // dSink: this thread's share of the CTA's sum of p_sink * P * dP
   if (tiles.first < tiles.end) {
-    store_row_stat<T>(ss.stats[0], thread, row_stat<T, kSinkGrad>(p, thread, tiles.first, head, batch));
+    store_row_stat<T>(ss.stats[0], thread, row_stat<T, kSinkGrad>(p, s, thread, tiles.first, head));
   }
   named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   Barrier::wait(&ss.kv_full, 0);
+  if (s.packed && key0 + T::kBlockN > s.seqlen_k) {
+    zero_past_end(ss.k, ss.v, s.seqlen_k - key0, Int<T::kBlockN>{});
+  }
 
   // dQ of a query tile, in acc_dq: staged in this warpgroup's buffer once the writer's last bulk add
   // has read it, then handed to the writer (write_dq).
@@ -235,24 +257,28 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
     const bool has_next = m + 1 < tiles.end;
     // This thread's share of the next tile's stats, stored once this tile's are read (before the barrier).
-    const float next_stat = has_next ? row_stat<T, kSinkGrad>(p, thread, m + 1, head, batch) : 0.f;
+    const float next_stat = has_next ? row_stat<T, kSinkGrad>(p, s, thread, m + 1, head) : 0.f;
     typename T::RowStats const& stats = ss.stats[buffer];
     const int row0 = m * T::kBlockM;
 
     Barrier::wait(&ss.q_full[st.stage], st.phase);
+    if (s.packed && row0 + T::kBlockM > s.seqlen_q) {
+      zero_past_end(ss.q + st.stage * T::kElemsQ, ss.dout + st.stage * T::kElemsQ, s.seqlen_q - row0,
+                    Int<T::kBlockM>{});
+    }
     wgmma_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.stage), acc_s);
     wgmma_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.stage), acc_dp);
     warpgroup_wait<1>();  // S^T
 
     // P^T = exp(S^T * scale - LSE), 0 where the row does not see the key (or lies past the end).
-    const bool masked = row0 + T::kBlockM > p.seqlen_q || needs_mask<T::kBlockN>(vis, row0, key0);
+    const bool masked = row0 + T::kBlockM > s.seqlen_q || needs_mask<T::kBlockN>(vis, row0, key0);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
       const int key = get<0>(cS(i));
       const int row = get<1>(cS(i));
       float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -stats.lse_log2[row]));
       if (masked) {
-        const bool visible = row0 + row < p.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
+        const bool visible = row0 + row < s.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
         prob = visible ? prob : 0.f;
       }
       acc_s(i) = prob;
@@ -317,7 +343,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       for (int w = 0; w < T::kConsumerThreads / 32; ++w) {
         total += ss.sink_sums[w];
       }
-      reinterpret_cast<float*>(p.dsink_parts)[(int64_t(batch) * p.heads_q + head) * gridDim.x + n_block] = total;
+      reinterpret_cast<float*>(p.dsink_parts)[(int64_t(s.batch) * p.heads_q + head) * gridDim.x + n_block] = total;
     }
   }
 
@@ -326,15 +352,17 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDim>>{}));
   const bool gqa = p.dk_accum != 0;
   const int head_kv = head / (p.heads_q / p.heads_kv);
+  const int64_t dk_base = s.k_offset(p.dk_batch_stride, p.dk_row_stride) + head_kv * p.dk_head_stride;
+  const int64_t dv_base = s.k_offset(p.dv_batch_stride, p.dv_row_stride) + head_kv * p.dv_head_stride;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
     const int key = key0 + get<0>(cKV(i));
     const int col = get<1>(cKV(i));
-    if (key < p.seqlen_k) {
+    if (key < s.seqlen_k) {
       const float2 dk = make_float2(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
       const float2 dv = make_float2(acc_dv(i), acc_dv(i + 1));
       if (gqa) {
-        const int64_t index = ((int64_t(batch) * p.heads_q + head) * p.seqlen_k + key) * T::kDim + col;
+        const int64_t index = (s.k_row(p, head) + key) * T::kDim + col;
         *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dk_accum) + index) = dk;
         *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dv_accum) + index) = dv;
       } else {
@@ -342,12 +370,10 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
           cutlass::NumericArrayConverter<Element, float, 2> convert;
           return convert(cutlass::Array<float, 2>{x.x, x.y});
         };
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(
-            reinterpret_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride +
-            key * p.dk_row_stride + col) = pair(dk);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(
-            reinterpret_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride +
-            key * p.dv_row_stride + col) = pair(dv);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dk) + dk_base +
+                                                       key * p.dk_row_stride + col) = pair(dk);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dv) + dv_base +
+                                                       key * p.dv_row_stride + col) = pair(dv);
       }
     }
   }
@@ -356,11 +382,15 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
 template <class T>
 __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
   auto& ss = aligned_shared_storage<typename T::SharedStorage>();
+  const Sequence s = sequence_of(p, blockIdx.z);
+  const int n_tiles = ceil_div(s.seqlen_k, T::kBlockN);  // a packed batch's grid covers its longest sequence
+  if (int(blockIdx.x) >= n_tiles) {
+    return;
+  }
   // A deterministic call's dQ order runs from the last key tile down (write_dq): CTAs start in that
   // order, so that none waits for one not yet running.
-  const int n_block = p.dq_semaphore != 0 ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int n_block = p.dq_semaphore != 0 ? n_tiles - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
-  const int batch = blockIdx.z;
 
   if (threadIdx.x == 0) {
     Barrier::init(&ss.kv_full, 1);
@@ -382,16 +412,16 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
-      produce<T>(p, ss, n_block, head, batch);
+      produce<T>(p, ss, s, n_block, head);
     } else if (threadIdx.x % 32 == 0 && warp <= T::kConsumerWarpgroups) {
-      write_dq<T>(p, ss, warp - 1, n_block, head, batch);
+      write_dq<T>(p, ss, s, warp - 1, n_block, head);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     if (p.dsink_parts != 0) {
-      consume<T, true>(p, ss, threadIdx.x - 128, n_block, head, batch);
+      consume<T, true>(p, ss, s, threadIdx.x - 128, n_block, head);
     } else {
-      consume<T, false>(p, ss, threadIdx.x - 128, n_block, head, batch);
+      consume<T, false>(p, ss, s, threadIdx.x - 128, n_block, head);
     }
   }
 }

@@ -11,29 +11,33 @@ namespace flashkiln {
 
 struct HopperBwdParams {
   // 4-d maps (column, row, head, batch): Q and dO in boxes of a query tile's rows, K and V of a
-  // key tile's (TMA zero-fills rows past a sequence's end).
+  // key tile's (TMA zero-fills rows past a dense sequence's end; a packed one's the kernel zeroes).
   TmaDescriptor tma_q, tma_k, tma_v, tma_do;
-  uint64_t lse;    // float (batch, heads_q, seqlen_q): the forward's, natural log
+  uint64_t lse;    // float (batch, heads_q, total_q): the forward's, natural log
   uint64_t delta;  // float, as lse: rowsum(dO * O) - dLSE, from the preprocess
   // float (batch, heads_q, dq_accum_rows, d): dQ / scale in query tiles of (hopper/bwd_dq_tiles.hpp)
-  // order, zeroed by the preprocess; the postprocess reads it back.
+  // order from each sequence's first row (common/sequence.hpp), zeroed by the preprocess; the
+  // postprocess reads it back.
   uint64_t dq_accum;
   uint64_t dk, dv;              // (batch, heads_kv, seqlen_k, d) by strides, when heads_q == heads_kv
-  uint64_t dk_accum, dv_accum;  // float (batch, heads_q, seqlen_k, d): per query head (GQA), or 0
+  uint64_t dk_accum, dv_accum;  // float (batch, heads_q, total_k, d): per query head (GQA), or 0
   uint64_t sink;                // float (heads_q,): the forward's sink logits, when dsink_parts is set
   // float (batch, heads_q, key tiles): per CTA, the sum over its keys and rows of p_sink * P * dP
   // (dSink, as BwdParams::dsink_parts), or 0
   uint64_t dsink_parts;
-  // int (batch, heads_q, dq_accum_rows / kBlockM, consumer warpgroups), zeroed: with it (a
+  // int (batch, heads_q, query tiles of seqlen_q, consumer warpgroups), zeroed: with it (a
   // deterministic call) the key tiles add each part of a query tile's dQ in a fixed order; or 0
   uint64_t dq_semaphore;
+  uint64_t cu_seqlens_q, cu_seqlens_k;  // int (batch + 1,): a packed batch's sequence bounds, or 0
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
   int64_t dq_accum_rows;  // per head: seqlen_q rounded up to kDqAccumRowAlign
-  int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  int32_t batch, heads_q, heads_kv;
+  int32_t seqlen_q, seqlen_k;  // packed: the longest sequences' (they size the grid)
+  int32_t total_q, total_k;    // token rows of the tensors (common/sequence.hpp); dense: seqlen_q, seqlen_k
   float scale;       // applied to Q K^T
   float scale_log2;  // scale * log2(e)
-  int32_t _pad[7];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  int32_t _pad[1];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

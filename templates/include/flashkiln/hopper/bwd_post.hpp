@@ -1,12 +1,13 @@
 // The Hopper backward's postprocess: dQ = scale * dQ_accum, from the accumulator's tile order
 // (hopper/bwd_dq_tiles.hpp) to the element type by dQ's strides. A CTA per (query tile, head,
-// batch entry); each thread reads pairs of columns in the accumulator's order (coalesced).
+// sequence); each thread reads pairs of columns in the accumulator's order (coalesced).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include <flashkiln/common/sequence.hpp>
 #include <flashkiln/hopper/bwd_dq_tiles.hpp>
 #include <flashkiln/params.hpp>
 
@@ -30,10 +31,13 @@ __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
   const int t = threadIdx.x;
   const int m = blockIdx.x;
   const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  float const* tile = reinterpret_cast<float const*>(p.dq_accum) +
-                      ((int64_t(batch) * p.heads_q + head) * p.dq_accum_rows + m * kDqTileRows) * T::kDim;
-  Element* dq = reinterpret_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
+  const Sequence s = sequence_of(p, blockIdx.z);
+  if (m * kDqTileRows >= s.seqlen_q) {
+    return;  // a packed batch's grid covers its longest sequence
+  }
+  float const* tile = reinterpret_cast<float const*>(p.dq_accum) + (s.dq_accum_row(p, head) + m * kDqTileRows) * T::kDim;
+  Element* dq = reinterpret_cast<Element*>(p.dq) + s.q_offset(p.dq_batch_stride, p.dq_row_stride) +
+                head * p.dq_head_stride;
   cutlass::NumericArrayConverter<Element, float, 2> convert;
   CUTE_UNROLL
   for (int part = 0; part < T::kParts; ++part) {
@@ -42,7 +46,7 @@ __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
       const int row = m * kDqTileRows + 16 * (t / 32) + (t % 32) / 4 + 8 * (pair % 2);
       const int col = part * Layout::kCols + 8 * (pair / 2) + 2 * (t % 4);
       const float2 value = reinterpret_cast<float2 const*>(tile + part * Layout::kPartFloats)[pair * 128 + t];
-      if (row < p.seqlen_q) {
+      if (row < s.seqlen_q) {
         *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + row * p.dq_row_stride + col) =
             convert(cutlass::Array<float, 2>{value.x * p.scale, value.y * p.scale});
       }

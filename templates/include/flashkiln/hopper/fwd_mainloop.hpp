@@ -115,14 +115,7 @@ __device__ __forceinline__ int warpgroup_key_tiles(HopperFwdParams const& p, Wor
 // which the swizzle only permutes within.
 template <class T>
 __device__ __forceinline__ void zero_v_rows(typename T::Element* stage, int first, int thread) {
-  constexpr int kChunks = T::kBlockN * T::kBoxCols * int(sizeof(typename T::Element)) / 16;  // per box
-  CUTE_UNROLL
-  for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
-    uint4* box = reinterpret_cast<uint4*>(stage + c * T::kBlockN * T::kBoxCols);
-    for (int i = first * (kChunks / T::kBlockN) + thread % 128; i < kChunks; i += 128) {
-      box[i] = make_uint4(0, 0, 0, 0);
-    }
-  }
+  zero_rows<T::kBlockN, T::kDimV>(stage, first, thread % 128);
   cutlass::arch::fence_view_async_shared();  // generic writes that wgmma reads next
   named_barrier_sync(1 + thread / 128, 128);
 }

@@ -57,6 +57,22 @@ __device__ __forceinline__ void bias_tile_into(Acc& acc, Coords const& coords, u
   }
 }
 
+// Zeroes rows [first, kRows) of a (kRows, kCols) tile of 2-byte elements in this layout, in whole
+// 128-byte rows (the swizzle only permutes chunks within a row), spread over the 128 threads of a
+// warpgroup (`thread` counts within it). The caller fences and synchronizes before wgmma reads it.
+template <int kRows, int kCols, class Element>
+__device__ __forceinline__ void zero_rows(Element* tile, int first, int thread) {
+  static_assert(sizeof(Element) == 2 && kCols % 64 == 0, "64-column boxes of 2-byte elements");
+  constexpr int kChunksPerRow = 128 / 16;
+  CUTE_UNROLL
+  for (int c = 0; c < kCols / 64; ++c) {
+    uint4* box = reinterpret_cast<uint4*>(tile + c * kRows * 64);
+    for (int i = first * kChunksPerRow + thread; i < kRows * kChunksPerRow; i += 128) {
+      box[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // The fragment `frag` (2-byte entries, accumulator layout) into the tile at shared address `tile`.
 template <int kRows, class Frag, class Coords>
 __device__ __forceinline__ void store_fragment(Frag const& frag, Coords const& coords, uint32_t tile) {
