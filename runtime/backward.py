@@ -233,9 +233,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     zero gradients, in given buffers too.
 
     backend: the kernel family, as attention_forward's (flashkiln.families); None takes the best
-    that has backward kernels for the call (the hopper family, then the portable one: the hopper backward
-    has dense batches without bias or determinism). Plans are cached per
-    call key (flashkiln.plan_cache): a repeated call runs only its launches.
+    that has backward kernels for the call (the hopper family, then the portable one: the hopper
+    backward has head dims 64 and 128, and no dBias of a bias that varies along the keys). Plans
+    are cached per call key (flashkiln.plan_cache): a repeated call runs only its launches.
     """
     key = None
     if dq is None and dk is None and dv is None:

@@ -3,9 +3,10 @@
 Forward (hopper/fwd_*.hpp): of a variant's several tunings it takes the one flashkiln.tile_choice
 estimates fastest for the call's shape. Backward (hopper/bwd_*.hpp): the portable family's
 preprocess (delta, the dQ accumulator zeroed), the main kernel (a CTA per key tile and query
-head), then its own postprocess; dense and packed batches without bias (a biased call plans on
-the portable family: flashkiln.families falls back where this planner refuses). One main kernel
-serves deterministic calls too: given semaphores it adds dQ in a fixed key-tile order.
+head), then its own postprocess; dense and packed batches, with or without an additive bias (dBias
+of a key-varying bias plans on the portable family: flashkiln.families falls back where this
+planner refuses). One main kernel serves deterministic calls too: given semaphores it adds dQ in
+a fixed key-tile order.
 """
 from __future__ import annotations
 
@@ -99,18 +100,19 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
 
 
 def backward_request(call: BackwardCall) -> dict:
-    """The functional fields of the call's main backward kernel: one kernel per causal mode serves
-    deterministic calls (the runtime passes it semaphores) and packed batches (it reads their
-    sequence bounds) too."""
-    return call.kernel_request("bwd", NAME, causal=call.causal)
+    """The functional fields of the call's main backward kernel: one kernel per causal mode and
+    bias serves deterministic calls (the runtime passes it semaphores) and packed batches (it reads
+    their sequence bounds) too."""
+    return call.kernel_request("bwd", NAME, causal=call.causal, bias="none" if call.bias is None else "additive")
 
 
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
-    lacks (a bias, a forced dQ route other than the call's atomic or ordered one)
-    and where TMA cannot address the tensors. A deterministic call takes the ordered route: the
-    same kernel, given dq_semaphore.
+    lacks (dBias of a bias that varies along the keys, a forced dQ route other than the call's
+    atomic or ordered one) and where TMA cannot address the tensors. A deterministic call, and a
+    biased one, takes the ordered route: the same kernel, given dq_semaphore. dBias of a
+    key-constant bias has a closed form (flashkiln.bias) from delta and dsink_parts.
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
@@ -118,10 +120,14 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     tiles) sums of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
     H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
     a query tile's dQ)."""
-    if call.bias is not None:
-        raise UnsupportedError("the hopper backward has no bias yet: backend='portable' runs the call")
-    route = dq_routes.fallback_route(call.deterministic)
-    forced = dq_routes.forced_route(call.deterministic)
+    bias = call.bias
+    if call.bias_grad and not bias.key_constant:
+        raise UnsupportedError("the hopper backward has no dBias of a bias that varies along the keys yet: "
+                               "backend='portable' runs the call")
+    # A biased backward is deterministic on either family (attention_backward's contract).
+    deterministic = call.deterministic or bias is not None
+    route = dq_routes.fallback_route(deterministic)
+    forced = dq_routes.forced_route(deterministic)
     if forced not in (None, route):
         raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: the hopper backward takes the {route} route for "
                                "this call")
@@ -136,13 +142,14 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
     maps = {"tma_q": (q, tile_m), "tma_k": (k, tile_n), "tma_v": (v, tile_n), "tma_do": (call.dout, tile_m)}
     encoded = {name: tma.encode(t, rows) for name, (t, rows) in maps.items()}  # UnsupportedError first
+    bias_map = tma.encode_bias(bias.tensor, tile_m) if bias is not None else tma.BiasMap.none()
     sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows
     f32 = torch.float32
     packed = call.packed is not None
     scratch.take("delta", (layout_batches, hq, shape.total_q), f32)
     scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d), f32)  # zeroed by the preprocess
     scratch.absent("ds_workspace")
-    if call.deterministic:
+    if deterministic:
         warpgroups = tile_n // 64  # hopper/bwd_traits.hpp: a consumer warpgroup per 64 keys
         scratch.take("dq_semaphore", (b, hq, ceil_div(sq, tile_m), warpgroups), torch.int32, zeroed=True)
     else:
@@ -166,9 +173,10 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     params = HopperBwdParams(
         **encoded, **inputs.stride_fields("dk", call.dk), **inputs.stride_fields("dv", call.dv),
         dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), scale=call.scale,
-        scale_log2=scale_log2)
+        scale_log2=scale_log2, tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step,
+        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step)
     tensors = {**call.tensors(), **scratch.tensors}
-    roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout"}
+    roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {})}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
     launches = [
         KernelLaunch.planned(pre, (ceil_div(sq_rounded, pre.descriptor["tile_m"]), hq, b), rows, tensors),

@@ -131,14 +131,16 @@ class HopperBwdParams(ctypes.Structure):
         ("tma_k", TmaDescriptor),
         ("tma_v", TmaDescriptor),
         ("tma_do", TmaDescriptor),
-        *((name, ctypes.c_uint64) for name in ("lse", "delta", "dq_accum", "dk", "dv", "dk_accum", "dv_accum", "sink",
-                                               "dsink_parts", "dq_semaphore", "cu_seqlens_q", "cu_seqlens_k")),
+        ("tma_bias", TmaDescriptor),
+        *((name, ctypes.c_uint64) for name in ("lse", "delta", "dlse", "dq_accum", "dk", "dv", "dk_accum", "dv_accum",
+                                               "sink", "dsink_parts", "dq_semaphore", "cu_seqlens_q", "cu_seqlens_k")),
         *_strides("dk", "dv"),
         ("dq_accum_rows", ctypes.c_int64),
         *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "total_q", "total_k"),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
-        ("_pad", ctypes.c_int32 * 1),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        *_int32("bias_row_step", "bias_head_step", "bias_batch_step"),
+        ("_pad", ctypes.c_int32 * 12),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

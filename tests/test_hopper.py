@@ -48,6 +48,8 @@ def test_default_hopper_specs_cover_the_backward_contract():
     main = [d for d in variants if d.kernel == "bwd"]
     assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (128, 128)}
     assert {d.causal for d in main} == {"none", "top_left", "bottom_right"}
+    assert {d.bias for d in main} == {"none", "additive"}
+    assert not any(d.deterministic or d.packed for d in main)  # set at run time
     assert {d.dtype for d in main} == {"fp16", "bf16"}
     post = {(d.dtype, d.d_qk) for d in variants if d.kernel == "bwd_post"}
     assert post == {(d.dtype, d.d_qk) for d in main}
@@ -55,7 +57,6 @@ def test_default_hopper_specs_cover_the_backward_contract():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"kernel": "bwd", "bias": "additive", "tile_m": 64}, "no bias yet"),
     ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "serves deterministic calls too"),
     ({"kernel": "bwd", "packed": True, "tile_m": 64}, "sequence bounds at run time"),
     ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64}, "head dims 64 and 128"),
@@ -248,6 +249,7 @@ class FakeRegistry:
 
 class FakeCall:
     causal = "none"
+    bias = None
 
     def request(self, family: str) -> dict:
         return {"family": family}
@@ -324,7 +326,7 @@ def test_the_backward_dispatches_through_the_same_table(planned):
         choose("backward", "hopper", (9, 0))
 
 
-def test_the_hopper_backward_refuses_a_bias_by_name():
+def test_the_hopper_backward_refuses_dbias_of_a_key_varying_bias_by_name():
     # Refused before any lookup or tensor map: an explicit backend="hopper" gets a typed error
     # that names the feature (auto falls back to the portable family on it).
     from flashkiln.calls import BackwardCall
@@ -333,8 +335,23 @@ def test_the_hopper_backward_refuses_a_bias_by_name():
     q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
     lse = torch.zeros(1, 2, 64)
     bias = prepare_bias(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)
-    call = BackwardCall(dout, q, k, v, out, lse, q, k, v, "none", 0.1, False, bias=bias)
-    with pytest.raises(UnsupportedError, match="hopper backward has no bias"):
+    call = BackwardCall(dout, q, k, v, out, lse, q, k, v, "none", 0.1, False, bias=bias, bias_grad=True)
+    with pytest.raises(UnsupportedError, match="hopper backward has no dBias of a bias that varies along the keys"):
+        hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
+
+
+def test_a_biased_hopper_backward_asks_for_the_bias_variant_and_orders_dq(monkeypatch):
+    from flashkiln.calls import BackwardCall
+    from flashkiln.dq_routes import ROUTE_ENV
+    from flashkiln.launch import ScratchSet
+
+    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
+    bias = prepare_bias(torch.zeros(1, 1, 64, 1, dtype=torch.bfloat16), (1, 2, 64, 64), q)  # key-constant
+    call = BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, "none", 0.1, False, bias=bias,
+                        bias_grad=True)
+    assert families.FAMILIES["hopper"].request("backward", call)["bias"] == "additive"
+    monkeypatch.setenv(ROUTE_ENV, "workspace")  # a biased backward is deterministic on either family
+    with pytest.raises(UnsupportedError, match="takes the ordered route"):
         hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
 
 

@@ -4,6 +4,7 @@ deterministic mode bitwise reproducible; which family auto takes, and where it f
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -54,13 +55,16 @@ def _backward(dout, q, k, v, causal, backend, route=None, **kw):
     return grads, families.pop()
 
 
-def _check_both(q, k, v, dout, causal, repro):
-    """Each family against the references, then hopper against portable within FA-style(3)."""
-    ref32 = attention_grad_reference(q, k, v, dout, causal, None, torch.float32)
-    reflp = attention_grad_reference(q, k, v, dout, causal, None, q.dtype)
+def _check_both(q, k, v, dout, causal, repro, **kw):
+    """Each family against the references, then hopper against portable within FA-style(3). `kw`:
+    attention_backward's bias, bias_grad, sink and sink_grad."""
+    scores = {n: kw.get(n) for n in ("bias", "sink")}
+    unasked = {grad: None for grad, flag in (("dbias", "bias_grad"), ("dsink", "sink_grad")) if not kw.get(flag)}
+    ref32, reflp = (dataclasses.replace(attention_grad_reference(q, k, v, dout, causal, None, dtype, **scores),
+                                        **unasked) for dtype in (torch.float32, q.dtype))
     results = {}
     for family in FAMILIES:
-        grads, ran = _backward(dout, q, k, v, causal, family)
+        grads, ran = _backward(dout, q, k, v, causal, family, **kw)
         assert ran == family
         check_grads_against(grads, ref32, reflp, f"{repro} backend={family}")
         results[family] = grads
@@ -131,7 +135,8 @@ def _auto_family(**kw) -> str:
     ({"d": 64}, "hopper"),
     ({"d": 256}, "portable"),            # no hopper variant
     ({"deterministic": True}, "hopper"),
-    ({"with_bias": True}, "portable"),
+    ({"with_bias": True}, "hopper"),
+    ({"with_bias": True, "bias_grad": True}, "portable"),  # dBias of a key-varying bias
     ({"with_sink": True}, "hopper"),     # the kernels read the LSE, which holds the sink
     ({"with_sink": True, "sink_grad": True}, "hopper"),
 ])
@@ -178,3 +183,37 @@ def test_deterministic_with_sink_gradient_and_fp16(causal):
     atomic, _ = _backward(dout, q, k, v, causal, "hopper", route="atomic", sink=sink, sink_grad=True)
     for a, b in zip(ordered, atomic):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+# Every broadcast shape of a bias over (B, H_q, S_q, S_k): "1" where it broadcasts.
+BIAS_SHAPES = [f"{b}{h}{q}{k}" for b in "b1" for h in "h1" for q in "q1" for k in "k1"]
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("causal", (None, "bottom_right"))
+@pytest.mark.parametrize("shape", BIAS_SHAPES)
+def test_every_bias_shape_with_gqa_and_sinks(shape, causal, d):
+    """A bias of each broadcast shape (with dBias where it is key-constant: a closed form), GQA 6/2
+    and sinks with dSink on alternate shapes; a row the bias masks out entirely where it has rows."""
+    seed = seed_of("hopper-bias", shape, causal, d)
+    q, k, v, dout = _tensors(seed, 2, 6, 2, 129, 200, d, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    sizes = dict(zip("bhqk", (2, 6, 129, 200)), **{"1": 1})
+    bias = 2 * torch.randn(tuple(sizes[c] for c in shape), device="cuda", dtype=torch.bfloat16, generator=gen)
+    if shape[2] == "q" and shape[3] == "k":
+        bias[..., 7, :] = float("-inf")
+    kw = {"bias": bias, "bias_grad": shape[3] == "1"}
+    if BIAS_SHAPES.index(shape) % 2:
+        kw.update(sink=torch.randn(6, device="cuda", generator=gen), sink_grad=True)
+    _check_both(q, k, v, dout, causal, _repro("test_every_bias_shape_with_gqa_and_sinks", seed=seed, shape=shape,
+                                             causal=causal, d=d), **kw)
+
+
+def test_a_biased_backward_is_bitwise_reproducible():
+    seed = seed_of("hopper-bias-det")
+    q, k, v, dout = _tensors(seed, 2, 6, 2, 500, 700, 128, torch.bfloat16)
+    bias = torch.randn(2, 1, 500, 700, device="cuda", dtype=torch.bfloat16)
+    first, _ = _backward(dout, q, k, v, "top_left", "hopper", route="ordered", bias=bias)
+    for _ in range(19):
+        again, _ = _backward(dout, q, k, v, "top_left", "hopper", bias=bias)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -84,22 +84,23 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_372_unique_variants():
+def test_default_specs_expand_to_384_unique_variants():
     variants = load_variants(REPO / "specs")
     # portable: fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128) + 30 (sm_90a, bias) + 18 (sm_80,
     # bias), bwd 60 + 30 (deterministic, bias), bwd_pre and bwd_post 10 each, bwd_dq 30; hopper: fwd 24
-    # + 12 (second tunings of d 64 and 128) + 24 (bias), each dense and packed, bwd 12 and bwd_post 4
-    assert len(variants) == 372
-    assert len({v.descriptor.hash for v in variants}) == 372
-    assert len({v.descriptor.name for v in variants}) == 372
+    # + 12 (second tunings of d 64 and 128) + 24 (bias), each dense and packed, bwd 12 + 12 (bias) and
+    # bwd_post 4
+    assert len(variants) == 384
+    assert len({v.descriptor.hash for v in variants}) == 384
+    assert len({v.descriptor.name for v in variants}) == 384
     assert sum(v.descriptor.packed for v in variants) == 60
     assert sum(v.relative_speed != 1 for v in variants) == 24
     assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
     assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
         (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     kinds = [v.descriptor.kernel for v in variants]
-    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [216, 102, 10, 14, 30]
-    assert sum(v.descriptor.bias == "additive" for v in variants) == 126
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [216, 114, 10, 14, 30]
+    assert sum(v.descriptor.bias == "additive" for v in variants) == 138
     assert {v.spec_file for v in variants} == {SPEC, "specs/hopper.yaml"}
     assert all(v.spec_file == "specs/hopper.yaml" for v in variants if v.descriptor.family == "hopper")
 

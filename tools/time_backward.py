@@ -5,7 +5,9 @@ compare the `flashkiln / cudnn` ratios, which absorb the drift between the two p
 bench/bench.py's, with L2 flushed before each timed call.
 Usage: tools/pyenv.sh python3 tools/time_backward.py LABEL [--reps N] [--backend FAMILY] [--sweep [VARIANT]]
   > out.json
-(--sweep: S 1k-16k at d 64 and 128 instead of the A/B cases, as plain calls or deterministic or sink ones.)
+(--sweep: S 1k-16k at d 64 and 128 instead of the A/B cases, as plain calls or deterministic or sink
+ones, or with an additive bias without dBias: "bias" of shape (B, H, S, S), "shared-bias" (1, 1, S, S);
+cuDNN's backward stays unbiased, the reference for every variant.)
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from bench import time_ms, visible_pairs  # noqa: E402  (bench/ is a folder of s
 CASES = [(d, s, causal, variant) for d in (64, 128, 256) for s in (2048, 8192) for causal in (False, True)
          for variant in ("plain",)]
 CASES += [(128, 4096, causal, variant) for causal in (False, True) for variant in ("deterministic", "sink")]
-VARIANTS = ("plain", "deterministic", "sink")
+VARIANTS = ("plain", "deterministic", "sink", "bias", "shared-bias")
 
 
 def sweep(variant: str) -> list[tuple[int, int, bool, str]]:
@@ -49,9 +51,12 @@ def main() -> None:
                          for _ in range(4))
         mode = "bottom_right" if causal else None
         sink = torch.linspace(-1.0, 2.0, h, device="cuda") if variant == "sink" else None
-        out, lse = flashkiln.attention_forward(q, k, v, causal=mode, sink=sink, backend="portable")
+        bias_shape = {"bias": (b, h, s, s), "shared-bias": (1, 1, s, s)}.get(variant)
+        bias = None if bias_shape is None else torch.randn(bias_shape, device="cuda", dtype=torch.bfloat16,
+                                                           generator=gen)
+        out, lse = flashkiln.attention_forward(q, k, v, causal=mode, sink=sink, bias=bias, backend="portable")
         ours = time_ms(lambda: flashkiln.attention_backward(
-            dout, q, k, v, out, lse, causal=mode, sink=sink, sink_grad=sink is not None,
+            dout, q, k, v, out, lse, causal=mode, sink=sink, sink_grad=sink is not None, bias=bias,
             deterministic=variant == "deterministic", backend=args.backend), 3, args.reps, flush_l2=True)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -53,14 +53,17 @@ class HopperFamily(Family):
 
     def _bwd_smem_bytes(self, d: VariantDescriptor) -> int:
         """BwdTraits::SharedStorage: K, V, `stages` x (Q, dO), two dS buffers, each warpgroup's dQ
-        staging (fp32), then two buffers of row stats, the barriers and dSink's per-warp sums, rounded
-        up to 1024 bytes, and the alignment slack."""
+        staging (fp32), then two buffers of row stats, the barriers and dSink's per-warp sums (with
+        the empty NoBias's byte), rounded up to 1024 bytes, then with a bias `stages` bias tiles,
+        and the alignment slack."""
         elem = ELEMENT_BYTES[d.dtype]
+        bias = d.bias != "none"
         tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + 2 * d.tile_m * d.tile_n)
         dq_staging = 4 * self.consumer_warpgroups(d) * d.tile_m * (d.d_qk // self.dq_parts(d))
         barriers = 8 * (1 + 2 * d.stages + 2 * self.consumer_warpgroups(d))  # K/V, Q/dO ring, dQ staging
-        stats_and_barriers = 2 * 3 * d.tile_m * 4 + barriers + 4 * 8  # + dSink's per-warp sums
-        return tiles + dq_staging + -(-stats_and_barriers // 1024) * 1024 + _ALIGN_SLACK
+        stats_and_barriers = 2 * 3 * d.tile_m * 4 + barriers + 4 * 8 + (not bias)  # + dSink's per-warp sums
+        bias_tiles = bias * elem * d.stages * d.tile_m * d.tile_n
+        return tiles + dq_staging + -(-stats_and_barriers // 1024) * 1024 + bias_tiles + _ALIGN_SLACK
 
     def own_o_buffer(self, d: VariantDescriptor) -> bool:
         """O gets its own shared-memory buffer (Q's then loads early) wherever it fits (fwd_traits.hpp)."""
@@ -101,8 +104,6 @@ class HopperFamily(Family):
         if d.deterministic:
             errors.append("deterministic=true: the hopper backward's one kernel serves deterministic calls too "
                           "(its dQ order is set at run time); list deterministic: [false]")
-        if d.bias != "none":
-            errors.append(f"bias={d.bias}: the hopper backward has no bias yet; the portable family has it")
         if d.packed:
             errors.append("packed=true: the hopper backward reads a packed batch's sequence bounds at run time; "
                           "list packed: [false]")

@@ -72,6 +72,9 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_do));
+  if constexpr (T::kBias) {
+    cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_bias));
+  }
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int entry = int(s.layout_batch());
   const int key_row = int(s.k_begin) + n_block * T::kBlockN;
@@ -86,13 +89,25 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
   PipelineState<T::kStages> st;
   for (int m = tiles.first; m < tiles.end; ++m) {
     Barrier::wait(&ss.q_empty[st.stage], st.phase ^ 1);
-    TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], 2 * T::kBytesQ);
+    const uint32_t bias_bytes = !T::kBias ? 0 : p.bias_row_step ? T::kBytesBias : T::kBytesBiasRow;
+    TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], 2 * T::kBytesQ + bias_bytes);
     CUTE_UNROLL
     for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
       const int offset = st.stage * T::kElemsQ + c * T::kBlockM * T::kBoxCols;
       const int row = int(s.q_begin) + m * T::kBlockM;
       tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + offset, c * T::kBoxCols, row, head, entry);
       tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + offset, c * T::kBoxCols, row, head, entry);
+    }
+    if constexpr (T::kBias) {
+      // The bias is (batch, heads, seqlen_q, seqlen_k) per sequence (a packed batch's too); one
+      // row of it where it is broadcast over the rows.
+      CUTE_UNROLL
+      for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
+        tma_load(&p.tma_bias, &ss.q_full[st.stage],
+                 ss.bias.tiles + st.stage * T::kElemsBias + c * T::kBlockM * T::kBoxCols,
+                 n_block * T::kBlockN + c * T::kBoxCols, m * T::kBlockM * p.bias_row_step,
+                 head * p.bias_head_step, s.batch * p.bias_batch_step);
+      }
     }
     st.advance();
   }
@@ -158,7 +173,8 @@ __device__ __forceinline__ float row_stat(HopperBwdParams const& p, Sequence con
   }
   const float lse_log2 = reinterpret_cast<float const*>(p.lse)[index] * kLog2e;
   if (!kSinkGrad || kind == 0) {
-    return lse_log2;
+    // A row that sees no key (a bias or mask can hide all of them) has LSE = -inf: P = 0 then.
+    return lse_log2 == -kInfinity ? kInfinity : lse_log2;
   }
   // With a sink the LSE includes it, so it is finite.
   return exp2f(reinterpret_cast<float const*>(p.sink)[head] * kLog2e - lse_log2);
@@ -213,6 +229,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   const auto vis = visibility<T::kCausal>(s.seqlen_q, s.seqlen_k);
   const TileRange tiles = query_tiles<T>(s, n_block);
   const int key0 = n_block * T::kBlockN;
+  [[maybe_unused]] const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores
   // A packed batch's tiles at a sequence's end hold other tokens (the next sequence's, or any value
   // past the last one) where a dense batch's TMA loads zero-fill. Their P and dS are zero, but
   // wgmma would still multiply their values by those zeros (NaN stays NaN), so each warpgroup
@@ -253,6 +270,55 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     dq_phase ^= 1;
   };
 
+  // With one key tile for the whole sequence every row's keys are in this CTA: delta is then
+  // rowsum(P * dP) - dLSE from the unrounded P and dP, not the preprocess's rowsum(dO * O) from the
+  // rounded O, whose rounding is all of dS where P sits on a few keys (as the portable family
+  // does, docs/design.md). A fixed-order sum: the lanes of a warp that share rows, then the warps
+  // through the tile's dS buffer (free until its dS is stored), into the tile's stats and into
+  // delta, which dBias's closed form reads.
+  const bool whole_rows = ceil_div(s.seqlen_k, T::kBlockN) == 1;
+  auto exact_deltas = [&](int row0, int buffer) {
+    constexpr int kRows = T::kBlockM / 4;  // per thread in an m64 accumulator: r0 + 8 j + e at 2 j + e
+    const int r0 = get<1>(cS(0));
+    float part[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      part[r] = 0.f;
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) {
+      const int dr = get<1>(cS(i)) - r0;  // compile-time once unrolled
+      part[dr / 8 * 2 + dr % 2] = fmaf(acc_s(i), acc_dp(i), part[dr / 8 * 2 + dr % 2]);
+    }
+    float* const sums = reinterpret_cast<float*>(ss.ds + buffer * T::kElemsdS);  // (warp, row)
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int lanes = 4; lanes < 32; lanes *= 2) {  // the lanes of a row's keys
+        part[r] += __shfl_xor_sync(0xffffffff, part[r], lanes);
+      }
+      if (thread % 32 < 4) {
+        sums[thread / 32 * T::kBlockM + r0 + r / 2 * 8 + r % 2] = part[r];
+      }
+    }
+    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    if (thread < T::kBlockM) {
+      float total = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < T::kConsumerThreads / 32; ++w) {
+        total += sums[w * T::kBlockM + thread];
+      }
+      const bool inside = row0 + thread < s.seqlen_q;
+      const int64_t index = s.q_row(p, head) + row0 + thread;
+      const float delta = total - (inside && p.dlse != 0 ? reinterpret_cast<float const*>(p.dlse)[index] : 0.f);
+      ss.stats[buffer].delta[thread] = delta;
+      if (inside) {
+        reinterpret_cast<float*>(p.delta)[index] = delta;
+      }
+    }
+    named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);  // the sums are read before dS is stored
+  };
+
   PipelineState<T::kStages> st;
   for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
     const bool has_next = m + 1 < tiles.end;
@@ -269,6 +335,14 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     wgmma_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.stage), acc_s);
     wgmma_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.stage), acc_dp);
     warpgroup_wait<1>();  // S^T
+    if constexpr (T::kBias) {
+      const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias);
+      if (p.bias_row_step) {
+        bias_transposed_into<T::kBlockM, false, Element>(acc_s, cS, tile, inv_scale);
+      } else {
+        bias_transposed_into<T::kBlockM, true, Element>(acc_s, cS, tile, inv_scale);
+      }
+    }
 
     // P^T = exp(S^T * scale - LSE), 0 where the row does not see the key (or lies past the end).
     const bool masked = row0 + T::kBlockM > s.seqlen_q || needs_mask<T::kBlockN>(vis, row0, key0);
@@ -293,6 +367,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       for (int i = 0; i < size(acc_dp); ++i) {
         sink_share = fmaf(acc_s(i) * stats.sink_weight[get<1>(cS(i))], acc_dp(i), sink_share);
       }
+    }
+    if (whole_rows) {
+      exact_deltas(row0, buffer);
     }
     // dS^T = P^T (dP^T - delta).
     CUTE_UNROLL

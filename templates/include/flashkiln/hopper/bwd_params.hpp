@@ -13,8 +13,12 @@ struct HopperBwdParams {
   // 4-d maps (column, row, head, batch): Q and dO in boxes of a query tile's rows, K and V of a
   // key tile's (TMA zero-fills rows past a dense sequence's end; a packed one's the kernel zeroes).
   TmaDescriptor tma_q, tma_k, tma_v, tma_do;
+  // The additive bias's map (runtime/tma.py, encode_bias: boxes of a query tile's rows, or of one
+  // row where the bias is broadcast over them, by 64 keys), with a bias variant.
+  TmaDescriptor tma_bias;
   uint64_t lse;    // float (batch, heads_q, total_q): the forward's, natural log
   uint64_t delta;  // float, as lse: rowsum(dO * O) - dLSE, from the preprocess
+  uint64_t dlse;   // float, as lse: the LSE's upstream gradient, or 0
   // float (batch, heads_q, dq_accum_rows, d): dQ / scale in query tiles of (hopper/bwd_dq_tiles.hpp)
   // order from each sequence's first row (common/sequence.hpp), zeroed by the preprocess; the
   // postprocess reads it back.
@@ -37,7 +41,9 @@ struct HopperBwdParams {
   int32_t total_q, total_k;    // token rows of the tensors (common/sequence.hpp); dense: seqlen_q, seqlen_k
   float scale;       // applied to Q K^T
   float scale_log2;  // scale * log2(e)
-  int32_t _pad[1];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  // The bias map's coordinate steps per query row, head and batch entry: 0 along its broadcast dims.
+  int32_t bias_row_step, bias_head_step, bias_batch_step;
+  int32_t _pad[12];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

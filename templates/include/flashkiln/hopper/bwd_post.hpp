@@ -35,7 +35,8 @@ __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
   if (m * kDqTileRows >= s.seqlen_q) {
     return;  // a packed batch's grid covers its longest sequence
   }
-  float const* tile = reinterpret_cast<float const*>(p.dq_accum) + (s.dq_accum_row(p, head) + m * kDqTileRows) * T::kDim;
+  float const* tile =
+      reinterpret_cast<float const*>(p.dq_accum) + (s.dq_accum_row(p, head) + m * kDqTileRows) * T::kDim;
   Element* dq = reinterpret_cast<Element*>(p.dq) + s.q_offset(p.dq_batch_stride, p.dq_row_stride) +
                 head * p.dq_head_stride;
   cutlass::NumericArrayConverter<Element, float, 2> convert;

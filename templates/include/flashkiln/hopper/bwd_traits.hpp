@@ -8,6 +8,7 @@
 //   dQ   = dS K      dS through shared memory (both warpgroups' keys), split between the
 //                    warpgroups by dQ's columns (each a whole 64-column box) or, where the head
 //                    dim is one box, by query tiles (each warpgroup every other tile's).
+// With kBias, a (kBlockM, kBlockN) tile of the additive bias rides in every Q/dO stage.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,7 +21,7 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-template <class Element_, int kDim_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_>
+template <class Element_, int kDim_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_, bool kBias_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;  // d_qk == d_v
@@ -28,6 +29,7 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr Causal kCausal = kCausal_;
+  static constexpr bool kBias = kBias_;
 
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -88,6 +90,9 @@ struct BwdTraits {
   static constexpr uint32_t kBytesQ = kElemsQ * sizeof(Element);
   static constexpr uint32_t kBytesK = kElemsK * sizeof(Element);
   static constexpr uint32_t kBytesDqPart = DqLayout::kPartFloats * sizeof(float);
+  static constexpr int kElemsBias = kBlockM * kBlockN;  // per stage
+  static constexpr uint32_t kBytesBias = kElemsBias * sizeof(Element);
+  static constexpr uint32_t kBytesBiasRow = kBlockN * sizeof(Element);  // one row for every query
 
   // Per query tile: LSE (in base 2; +inf for rows past the sequence, whose P is then 0), delta, and
   // with a sink its weight in the row's softmax, exp(sink - LSE) (dSink's factor; 0 past the end).
@@ -95,6 +100,12 @@ struct BwdTraits {
     float lse_log2[kBlockM];
     float delta[kBlockM];
     float sink_weight[kBlockM];
+  };
+  struct NoBias {};
+  struct BiasTiles {
+    // Per stage (query rows, keys) in 64-key boxes, as TMA writes them; a bias broadcast over the
+    // rows fills each box's first row.
+    alignas(1024) Element tiles[kStages * kElemsBias];
   };
   struct SharedStorage {
     alignas(1024) Element k[kElemsK];
@@ -110,6 +121,7 @@ struct BwdTraits {
     uint64_t dq_full[kConsumerWarpgroups];   // the warpgroup's dQ part is staged in dq
     uint64_t dq_empty[kConsumerWarpgroups];  // its writer's bulk add has read it
     float sink_sums[kConsumerThreads / 32];  // dSink: each consumer warp's share of the CTA's sum
+    cute::conditional_t<kBias, BiasTiles, NoBias> bias;
   };
   static constexpr int kAlignSlack = 1024 - 16;  // the dynamic allocation starts 16-byte aligned
   static constexpr int kMaxSmemBytes = 232448;   // sm_90a's opt-in limit per block

@@ -57,6 +57,32 @@ __device__ __forceinline__ void bias_tile_into(Acc& acc, Coords const& coords, u
   }
 }
 
+// The bias tile at shared address `tile`, a (kRows query rows, keys) tile in this layout, divided
+// by the scale and added to acc, a transposed (keys, rows) accumulator: the backward's S^T. Its
+// entry i is (key, row) = coords(i), read as one 2-byte load (the pair i, i + 1 holds two rows).
+// kRowBroadcast: every row reads row 0.
+//
+// The offsets fold as SwizzledPairs' do: in an m64 accumulator fragment a thread's keys are k0 +
+// {0, 8} and its rows r0 + 8 j + {0, 1}, with (k0 % 64) / 8 and r0 % 8 even, so the swizzle's
+// ((key % 64) / 8) ^ (row % 8) is the thread's own ((k0 % 64) / 8) ^ (r0 % 8) XOR a constant of
+// the entry.
+template <int kRows, bool kRowBroadcast, class Element, class Acc, class Coords>
+__device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coords, uint32_t tile, float inv_scale) {
+  static_assert(sizeof(Element) == 2, "2-byte entries");
+  const int k0 = get<0>(coords(0));
+  const int r0 = kRowBroadcast ? 0 : get<1>(coords(0));
+  const uint32_t base = (k0 / 64) * kRows * 128 + r0 * 128 + (k0 % 8) * 2;
+  const uint32_t swizzle = (((k0 % 64) / 8) ^ (r0 % 8)) * 16;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const int dk = get<0>(coords(i)) - k0;  // compile-time once unrolled
+    const int dr = kRowBroadcast ? 0 : get<1>(coords(i)) - r0;
+    const uint32_t offset = (dk / 64) * kRows * 128 + dr * 128 + (swizzle ^ ((((dk % 64) / 8) ^ (dr % 8)) * 16));
+    const uint16_t raw = load_shared_u16_at(tile + base + offset);
+    acc(i) = fmaf(float(reinterpret_cast<Element const&>(raw)), inv_scale, acc(i));
+  }
+}
+
 // Zeroes rows [first, kRows) of a (kRows, kCols) tile of 2-byte elements in this layout, in whole
 // 128-byte rows (the swizzle only permutes chunks within a row), spread over the 128 threads of a
 // warpgroup (`thread` counts within it). The caller fences and synchronizes before wgmma reads it.
