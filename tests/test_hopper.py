@@ -340,6 +340,20 @@ def test_the_hopper_backward_refuses_dbias_of_a_key_varying_bias_by_name():
         hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
 
 
+def test_the_hopper_backward_refuses_a_bias_on_a_packed_batch():
+    from flashkiln.calls import BackwardCall
+    from flashkiln.launch import ScratchSet
+    from flashkiln.varlen import PackedBatch
+
+    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    bias = prepare_bias(torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)
+    call = BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, "none", 0.1, False, bias=bias,
+                        packed=PackedBatch(cu, cu, 64, 64))
+    with pytest.raises(UnsupportedError, match="no bias on packed batches"):
+        hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
+
+
 def test_a_biased_hopper_backward_asks_for_the_bias_variant_and_orders_dq(monkeypatch):
     from flashkiln.calls import BackwardCall
     from flashkiln.dq_routes import ROUTE_ENV
