@@ -7,6 +7,9 @@ HOST_PYTHON ?= python3
 JOBS ?= $(shell nproc)
 SPECS ?= specs
 OUT ?= generated
+# Archs to build, comma-separated (e.g. ARCHS=sm_80,sm_90a); empty: every arch the specs list.
+ARCHS ?=
+ARCH_ARGS := $(if $(ARCHS),--archs $(ARCHS))
 # On a GPU machine that has torch and cuda-bindings but no registry (the device), use its python3.
 GPU_PYTHON ?= python3
 # CUDA flavor of `make wheel`: 13 (NVRTC 13.0, in .venv) or 12 (NVRTC 12.9, in .venv-cu12).
@@ -37,7 +40,7 @@ $(VENV_CU12)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 generate: $(VENV)/.installed
-	$(PY) -m flashkiln.generator generate --specs $(SPECS) --out $(OUT) -j $(JOBS)
+	$(PY) -m flashkiln.generator generate --specs $(SPECS) --out $(OUT) -j $(JOBS) $(ARCH_ARGS)
 
 # The CUDA 12 environment is part of the test setup: a test builds a cu12 wheel with it.
 test: $(VENV)/.installed $(VENV_CU12)/.installed
@@ -58,7 +61,7 @@ bench:
 
 # A wheel of the runtime with the cubins of $(SPECS) (and the generator, for opt-in JIT), into dist/.
 wheel: $(if $(filter 12,$(CUDA)),$(VENV_CU12)/.installed,$(VENV)/.installed)
-	$(WHEEL_PY) -m flashkiln.generator wheel --specs $(SPECS) --out dist -j $(JOBS)
+	$(WHEEL_PY) -m flashkiln.generator wheel --specs $(SPECS) --out dist -j $(JOBS) $(ARCH_ARGS)
 
 clean:
 	rm -rf build dist $(OUT)/manifest.json $(OUT)/*.cubin $(OUT)/src

@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from .build import DEFAULT_CACHE_DIR, GenerateError, MergeError, Selection, generate, merge, parse_shard, plan_units
+from .build import (DEFAULT_CACHE_DIR, GenerateError, MergeError, Selection, generate, merge, parse_archs, parse_shard,
+                    plan_units)
 from .specs import SpecError, load_variants
 from .toolchain import ToolchainError
 
@@ -15,6 +16,8 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--specs", type=Path, default=Path("specs"))
     parser.add_argument("--filter", help="only variants whose name matches this regex")
     parser.add_argument("--exclude", help="drop variants whose name matches this regex")
+    parser.add_argument("--archs", type=parse_archs, help="only these archs, comma-separated (e.g. sm_80,sm_90a; "
+                                                          "default: every arch the specs list)")
 
 
 def _build_args(parser: argparse.ArgumentParser) -> None:
@@ -50,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            variants = Selection(args.filter, args.exclude).variants(load_variants(args.specs))
+            variants = Selection(args.filter, args.exclude, archs=args.archs).variants(load_variants(args.specs))
             for v in variants:
                 print(f"{v.descriptor.name}  {v.descriptor.hash}")
             print(f"{len(variants)} variant(s)", file=sys.stderr)
         elif args.command == "generate":
-            selection = Selection(args.filter, args.exclude, args.shard)
+            selection = Selection(args.filter, args.exclude, args.shard, args.archs)
             if args.list:
                 units = plan_units(args.specs, selection)
                 for unit in units:
@@ -69,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .wheel import build_wheel
 
-            build_wheel(args.specs, args.out, args.jobs, Selection(args.filter, args.exclude), args.cache_dir,
-                        progress=not args.no_progress)
+            build_wheel(args.specs, args.out, args.jobs, Selection(args.filter, args.exclude, archs=args.archs),
+                        args.cache_dir, progress=not args.no_progress)
     except (SpecError, GenerateError, MergeError, ToolchainError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

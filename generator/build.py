@@ -69,16 +69,25 @@ def _units(variants: list[Variant]) -> list[CompileUnit]:
 
 @dataclass(frozen=True)
 class Selection:
-    """Which variants a build takes: names matching `pattern` and not `exclude`, then shard i of n."""
+    """Which variants a build takes: those for `archs` (None: every arch the specs list), with names
+    matching `pattern` and not `exclude`, then shard i of n."""
 
     pattern: str | None = None
     exclude: str | None = None
     shard: tuple[int, int] | None = None  # (index, count), 0 <= index < count
+    archs: tuple[str, ...] | None = None
 
     def variants(self, variants: list[Variant]) -> list[Variant]:
+        if self.archs is not None:
+            listed = sorted({v.descriptor.arch for v in variants})
+            unknown = [a for a in self.archs if a not in listed]
+            if unknown:
+                raise ValueError(f"archs {', '.join(unknown)}: the specs list kernels for {', '.join(listed)} only "
+                                 "(an arch of their own needs its `arch:` in specs/*.yaml and a tuning row)")
         keep = re.compile(self.pattern) if self.pattern else None
         drop = re.compile(self.exclude) if self.exclude else None
-        return [v for v in variants if (keep is None or keep.search(v.descriptor.name))
+        return [v for v in variants if (self.archs is None or v.descriptor.arch in self.archs)
+                and (keep is None or keep.search(v.descriptor.name))
                 and not (drop and drop.search(v.descriptor.name))]
 
     def units(self, units: list[CompileUnit]) -> list[CompileUnit]:
@@ -92,7 +101,16 @@ class Selection:
 
     def describe(self) -> dict:
         return {"filter": self.pattern, "exclude": self.exclude,
-                "shard": None if self.shard is None else f"{self.shard[0]}/{self.shard[1]}"}
+                "shard": None if self.shard is None else f"{self.shard[0]}/{self.shard[1]}",
+                "archs": None if self.archs is None else list(self.archs)}
+
+
+def parse_archs(text: str) -> tuple[str, ...]:
+    """'sm_80,sm_90a' -> ('sm_80', 'sm_90a'): the archs a build takes (Selection.archs)."""
+    archs = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    if not archs:
+        raise ValueError(f"--archs {text!r}: expected a comma-separated list such as sm_80,sm_90a")
+    return archs
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flashkiln.generator.build import MergeError, Selection, generate, merge, parse_shard, plan_units
+from flashkiln.generator.build import MergeError, Selection, generate, merge, parse_archs, parse_shard, plan_units
 from flashkiln.manifest import Manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,6 +38,33 @@ def test_filter_and_exclude():
     assert selected and all(v.descriptor.kernel == "fwd" and v.descriptor.arch == "sm_90a" for v in selected)
 
 
+def test_arch_selection_takes_the_named_archs_only():
+    every = [v for u in plan_units(REPO / "specs") for v in u.variants]
+    sm80 = Selection(archs=("sm_80",)).variants(every)
+    assert sm80 and {v.descriptor.arch for v in sm80} == {"sm_80"}
+    both = Selection(archs=parse_archs("sm_80, sm_90a,sm_80")).variants(every)
+    assert len(both) == len(every)
+    units = plan_units(REPO / "specs", Selection(archs=("sm_90a",)))
+    assert units and all(v.descriptor.arch == "sm_90a" for u in units for v in u.variants)
+    assert Selection(archs=("sm_90a",)).describe()["archs"] == ["sm_90a"]
+
+
+def test_an_arch_the_specs_do_not_list_is_named():
+    with pytest.raises(ValueError, match=r"archs sm_75: the specs list kernels for sm_80, sm_90a only"):
+        plan_units(REPO / "specs", Selection(archs=("sm_75", "sm_90a")))
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_archs(" , ")
+
+
+def test_make_passes_archs_to_the_generator():
+    result = subprocess.run(["make", "-n", "generate", "ARCHS=sm_80,sm_90a"], cwd=REPO, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert "generate --specs specs --out generated" in result.stdout and "--archs sm_80,sm_90a" in result.stdout
+    plain = subprocess.run(["make", "-n", "generate"], cwd=REPO, capture_output=True, text=True)
+    assert "--archs" not in plain.stdout
+
+
 @pytest.mark.parametrize("text", ["2/2", "a/3", "1", "-1/2", "3/2"])
 def test_bad_shard_specs_are_refused(text):
     with pytest.raises(ValueError, match="i/n"):
@@ -51,6 +78,16 @@ def test_list_prints_units_without_compiling():
     units = plan_units(REPO / "specs", Selection(pattern="^fwd_", shard=(0, 4)))
     assert [line.split(":")[0] for line in result.stdout.splitlines()] == unit_names(units)
     assert f"in {len(units)} unit(s)" in result.stderr
+
+
+def test_list_with_archs_and_its_error():
+    result = subprocess.run([sys.executable, "-m", "flashkiln.generator", "generate", "--list", "--archs", "sm_80"],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout and all("_sm80_" in line.split(":")[0] for line in result.stdout.splitlines())
+    bad = subprocess.run([sys.executable, "-m", "flashkiln.generator", "list", "--archs", "sm_100a"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "error: archs sm_100a" in bad.stderr
 
 
 @pytest.mark.nvrtc
