@@ -155,7 +155,8 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         inputs.fail(f"inputs must be CUDA tensors, got device {q.device}")
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    dq_routes.forced_route(deterministic or bias is not None)  # a bad $FLASHKILN_BACKWARD_ROUTE fails on every call
+    # A bad $FLASHKILN_BACKWARD_ROUTE fails on every call.
+    dq_routes.forced_route(dq_routes.is_deterministic(deterministic, bias is not None))
     registry = registry or default_registry()
     target = Target.of(q)
     d_qk, d_v = q.shape[3], v.shape[3]

@@ -128,8 +128,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         # The kernel reads a packed batch's bias per sequence, but no GPU test has checked it yet.
         raise UnsupportedError("the hopper backward takes no bias on packed batches yet: backend='portable' runs "
                                "the call")
-    # A biased backward is deterministic on either family (attention_backward's contract).
-    deterministic = call.deterministic or bias is not None
+    deterministic = call.ordered
     route = dq_routes.fallback_route(deterministic)
     forced = dq_routes.forced_route(deterministic)
     if forced not in (None, route):

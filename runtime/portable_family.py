@@ -64,7 +64,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     shape = call.shape
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     has_bias = call.bias is not None
-    deterministic = call.deterministic or has_bias
+    deterministic = call.ordered
     ds_needed = call.bias_grad and not call.bias.key_constant
     workspace_kernels = _workspace_kernels(call, shape, deterministic, ds_needed, target, registry)
     if workspace_kernels is not None:

@@ -326,62 +326,55 @@ def test_the_backward_dispatches_through_the_same_table(planned):
         choose("backward", "hopper", (9, 0))
 
 
+def _backward_call(causal: str = "none", deterministic: bool = False, bias_shape: tuple | None = None, **extra):
+    """A (1, 2, 64, 128) bf16 CPU call for the planners (they refuse or look up before any launch)."""
+    from flashkiln.calls import BackwardCall
+
+    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
+    if bias_shape is not None:
+        extra["bias"] = prepare_bias(torch.zeros(bias_shape, dtype=torch.bfloat16), (1, 2, 64, 64), q)
+    return BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, causal, 0.1, deterministic, **extra)
+
+
+def _plan_hopper_backward(call, registry=None):
+    from flashkiln.launch import ScratchSet
+
+    return hopper_family.plan_backward(call, fake_target((9, 0)), registry, ScratchSet(call.q.device))
+
+
 def test_the_hopper_backward_refuses_dbias_of_a_key_varying_bias_by_name():
     # Refused before any lookup or tensor map: an explicit backend="hopper" gets a typed error
     # that names the feature (auto falls back to the portable family on it).
-    from flashkiln.calls import BackwardCall
-    from flashkiln.launch import ScratchSet
-
-    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
-    lse = torch.zeros(1, 2, 64)
-    bias = prepare_bias(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)
-    call = BackwardCall(dout, q, k, v, out, lse, q, k, v, "none", 0.1, False, bias=bias, bias_grad=True)
+    call = _backward_call(bias_shape=(1, 1, 64, 64), bias_grad=True)
     with pytest.raises(UnsupportedError, match="hopper backward has no dBias of a bias that varies along the keys"):
-        hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
+        _plan_hopper_backward(call)
 
 
 def test_the_hopper_backward_refuses_a_bias_on_a_packed_batch():
-    from flashkiln.calls import BackwardCall
-    from flashkiln.launch import ScratchSet
     from flashkiln.varlen import PackedBatch
 
-    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
     cu = torch.tensor([0, 64], dtype=torch.int32)
-    bias = prepare_bias(torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), (1, 2, 64, 64), q)
-    call = BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, "none", 0.1, False, bias=bias,
-                        packed=PackedBatch(cu, cu, 64, 64))
+    call = _backward_call(bias_shape=(1, 2, 64, 64), packed=PackedBatch(cu, cu, 64, 64))
     with pytest.raises(UnsupportedError, match="no bias on packed batches"):
-        hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
+        _plan_hopper_backward(call)
 
 
 def test_a_biased_hopper_backward_asks_for_the_bias_variant_and_orders_dq(monkeypatch):
-    from flashkiln.calls import BackwardCall
     from flashkiln.dq_routes import ROUTE_ENV
-    from flashkiln.launch import ScratchSet
 
-    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
-    bias = prepare_bias(torch.zeros(1, 1, 64, 1, dtype=torch.bfloat16), (1, 2, 64, 64), q)  # key-constant
-    call = BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, "none", 0.1, False, bias=bias,
-                        bias_grad=True)
-    assert families.FAMILIES["hopper"].request("backward", call)["bias"] == "additive"
+    call = _backward_call(bias_shape=(1, 1, 64, 1), bias_grad=True)  # key-constant: dBias in closed form
+    assert call.ordered and families.FAMILIES["hopper"].request("backward", call)["bias"] == "additive"
     monkeypatch.setenv(ROUTE_ENV, "workspace")  # a biased backward is deterministic on either family
     with pytest.raises(UnsupportedError, match="takes the ordered route"):
-        hopper_family.plan_backward(call, fake_target((9, 0)), None, ScratchSet(q.device))
-
-
-def _dense_backward_call(deterministic: bool):
-    from flashkiln.calls import BackwardCall
-
-    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
-    return BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, "top_left", 0.1, deterministic)
+        _plan_hopper_backward(call)
 
 
 def test_one_hopper_backward_kernel_serves_deterministic_calls():
     # The family table asks for the same main kernel either way; the portable family has a
     # deterministic variant of its own.
-    call = _dense_backward_call(deterministic=True)
+    call = _backward_call("top_left", deterministic=True)
     hopper_request = families.FAMILIES["hopper"].request("backward", call)
-    assert hopper_request == _dense_backward_call(deterministic=False).request("hopper")
+    assert hopper_request == _backward_call("top_left").request("hopper")
     assert hopper_request["deterministic"] is False and hopper_request["causal"] == "top_left"
     assert families.FAMILIES["portable"].request("backward", call)["deterministic"] is True
 
@@ -392,10 +385,9 @@ def test_one_hopper_backward_kernel_serves_deterministic_calls():
 ])
 def test_the_hopper_backward_takes_only_its_route(monkeypatch, deterministic, forced, allowed):
     from flashkiln.dq_routes import ROUTE_ENV
-    from flashkiln.launch import ScratchSet
 
     monkeypatch.setenv(ROUTE_ENV, forced)
-    call = _dense_backward_call(deterministic)
+    call = _backward_call("top_left", deterministic)
 
     class LookedUp(Exception):
         pass
@@ -404,7 +396,7 @@ def test_the_hopper_backward_takes_only_its_route(monkeypatch, deterministic, fo
         def find(self, request, capability):
             raise LookedUp
 
-    plan = lambda: hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), ScratchSet(call.q.device))
+    plan = lambda: _plan_hopper_backward(call, Registry())
     if allowed:
         with pytest.raises(LookedUp):
             plan()
