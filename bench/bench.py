@@ -13,6 +13,10 @@ Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/benc
   [--varlen]  (packed batches of 16384 tokens in sequences of S/8..S tokens, S the longest; beside
                torch's efficient backend on nested tensors and FlexAttention with a document mask;
                forward also flashkiln's portable family, beside the hopper one that auto picks)
+  [--window]  (sliding-window attention, window w = (w, w), causal (w, 0), w in WINDOWS, S 4k..32k,
+               d 64 and 128, B = max(1, 16384 / S): flashkiln beside FlexAttention with the same
+               mask and beside flashkiln without a window; FLOPs over the window's visible pairs;
+               peak memory of both at bench/memory.py's shapes)
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import flashkiln
 from flashkiln.dq_routes import ROUTE_ENV, ROUTES
 from flashkiln.errors import FlashkilnError
 from flashkiln.registry import KernelRegistry
+from memory import SHAPES as MEMORY_SHAPES, peak_mib  # bench/memory.py (bench/ is a folder of scripts)
 
 TORCH_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -42,6 +47,7 @@ TORCH_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+WINDOWS = (128, 512, 4096)
 
 
 # FlexAttention runs compiled, as its documentation asks (eager is a slow reference path): one
@@ -56,6 +62,38 @@ def visible_pairs(sq: int, sk: int, causal: bool) -> int:
         return sq * sk
     full = min(sq, sk)  # row i sees min(i + 1, sk) keys
     return full * (full + 1) // 2 + max(0, sq - sk) * sk
+
+
+def window_band(sq: int, sk: int, left: int, right: int) -> tuple[int, int]:
+    """The key-minus-query offsets j - i that window (left, right) leaves visible, FlashAttention's
+    rule: i + S_k - S_q - left <= j <= i + S_k - S_q + right; -1: unbounded (a bound past every pair)."""
+    shift = sk - sq
+    return (shift - left if left >= 0 else -sq, shift + right if right >= 0 else sk)
+
+
+def window_visible_pairs(sq: int, sk: int, left: int, right: int) -> int:
+    """(i, j) pairs, 0 <= j < sk, inside window (left, right): summed over the query rows."""
+    lo, hi = window_band(sq, sk, left, right)
+    i = torch.arange(sq, dtype=torch.int64)
+    return int(((i + hi).clamp(max=sk - 1) - (i + lo).clamp(min=0) + 1).clamp(min=0).sum())
+
+
+def window_mask(sq: int, sk: int, left: int, right: int) -> Callable:
+    """FlexAttention's mask_mod of window (left, right)."""
+    lo, hi = window_band(sq, sk, left, right)
+    return lambda b, h, i, j: (j - i >= lo) & (j - i <= hi)
+
+
+def _brute_window_pairs(sq: int, sk: int, left: int, right: int) -> int:
+    return sum(1 for i in range(sq) for j in range(sk) if (left < 0 or j >= i + sk - sq - left)
+               and (right < 0 or j <= i + sk - sq + right))
+
+
+# The count and the mask against the rule read literally, on small shapes (S_q != S_k both ways).
+assert all(window_visible_pairs(*c) == _brute_window_pairs(*c)
+           == int(window_mask(*c)(0, 0, torch.arange(c[0])[:, None], torch.arange(c[1])[None]).sum())
+           for c in ((sq, sk, left, right) for sq in (1, 5, 13) for sk in (1, 7, 13)
+                     for left in (-1, 0, 3, 20) for right in (-1, 0, 2))), "window_visible_pairs: wrong count"
 
 
 def time_ms(fn: Callable[[], object], warmup: int, reps: int, flush_l2: bool = False) -> float:
@@ -189,6 +227,20 @@ def varlen_cases(passes: list[str], lengths: list[int], causal: bool) -> dict:
     return cases
 
 
+def window_cases(passes: list[str], s: int, causal: bool, left: int, right: int) -> dict:
+    """flashkiln with window (left, right) and FlexAttention with the same mask (its block mask
+    built here, outside the timings); left = -1: flashkiln without a window alone, the reference."""
+    if left < 0:
+        full = lambda q, k, v: flashkiln.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+        return {("flashkiln", p): (full, False, None) for p in passes}
+    kiln = lambda q, k, v: flashkiln.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=causal, window_size=(left, right))
+    block_mask = create_block_mask(window_mask(s, s, left, right), None, None, s, s, device="cuda")
+    flex = lambda q, k, v: _flex(q, k, v, block_mask=block_mask)  # noqa: E731
+    return {(name, p): (fn, False, None) for p in passes for name, fn in
+            (("flashkiln-window", kiln), ("flex-window", flex))}
+
+
 def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, KernelRegistry | None]) -> dict:
     """(name, pass) -> (attention function, deterministic backward?, flashkiln dq route forced or None)"""
     mode = "top_left" if causal else None
@@ -227,32 +279,41 @@ def measure(p: str, attend: Attention, leaves: list[torch.Tensor], dout: torch.T
 
 
 def record(rows: list[dict], cases: dict, leaves: list[torch.Tensor], dout: torch.Tensor, fwd_flops: int,
-           args: argparse.Namespace, **shape) -> None:
-    """Time every case and append its row (a case that cannot run is reported and skipped)."""
+           args: argparse.Namespace, peak: Callable[[Attention], float] | None = None, **shape) -> None:
+    """Time every case and append its row (a case that cannot run is reported and skipped); with
+    `peak`, each backend's peak memory too (MiB, once per backend, in each of its rows)."""
     label = " ".join(f"{k}={v}" for k, v in shape.items())
+    peaks: dict[str, float] = {}
     for (name, p), (attend, deterministic, route) in cases.items():
         try:
             ms = measure(p, attend, leaves, dout, deterministic, route, args)
+            if peak is not None and name not in peaks:
+                peaks[name] = peak(attend)
         except (RuntimeError, FlashkilnError) as exc:
             print(f"  {name} {p} {label}: skipped ({str(exc).splitlines()[0]})", file=sys.stderr)
             continue
         flops = fwd_flops * (2.5 if p == "bwd" else 1.0)
-        rows.append({"backend": name, "pass": p, **shape, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
+        rows.append({"backend": name, "pass": p, **shape, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+                     **({"peak_mib": peaks[name]} if name in peaks else {})})
         print(f"{name:>22} {p} {label} {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
 
 
 def run(args: argparse.Namespace) -> dict:
-    seqlens = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    if args.window:
+        seqlens = [4096, 16384] if args.quick else [4096, 8192, 16384, 32768]
+    else:
+        seqlens = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    head_dims = args.head_dims or ([64, 128] if args.window else [64, 128, 256])
     registries: dict[str, KernelRegistry | None] = {"flashkiln": KernelRegistry(args.kernel_dir) if args.kernel_dir else None}
     for spec in args.extra_kernel_dir:
         label, _, path = spec.partition("=")
         registries[f"flashkiln[{label}]"] = KernelRegistry(Path(path))
     rows: list[dict] = []
-    for d in args.head_dims:
+    for d in head_dims:
         # torch's SDPA takes no attn_mask together with is_causal: biased runs are not causal.
         for causal in (False,) if args.bias != "none" else (False, True):
             for s in seqlens:
-                b, h = 16384 // s, 2048 // d
+                b, h = max(1, 16384 // s), 2048 // d
                 gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
                 if args.varlen:
                     lengths = packed_lengths(s, 16384, s)
@@ -267,6 +328,14 @@ def run(args: argparse.Namespace) -> dict:
                                  for _ in range(4))
                 fwd_flops = 4 * b * h * d * visible_pairs(s, s, causal)
                 leaves = [t.requires_grad_() for t in (q, k, v)]
+                if args.window:
+                    peak = (lambda attend: peak_mib(attend, d, s)) if (d, s) in MEMORY_SHAPES else None
+                    for w in (-1, *WINDOWS):  # -1: without a window, the reference rate
+                        left, right = w, 0 if causal else w
+                        record(rows, window_cases(args.passes, s, causal, left, right), leaves, dout,
+                               4 * b * h * d * window_visible_pairs(s, s, left, right), args, peak,
+                               d=d, causal=causal, seqlen=s, window=w, batch=b, heads=h)
+                    continue
                 if args.bias != "none":
                     bias = torch.randn((b, h, s, s) if args.bias == "full" else (1, 1, s, s), device="cuda",
                                        dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -291,7 +360,7 @@ def run(args: argparse.Namespace) -> dict:
         "bf16_matmul_tflops": matmul_peak_tflops(),
         "read_TBps": read_bandwidth_tbps(),
         "method": "median of CUDA-event timings of single calls after a sleep kernel; bf16; "
-                  "H=2048/d, B=16384/S; FLOPs 4*B*H*d*visible pairs (backward 2.5x; its time "
+                  "H=2048/d, B=max(1, 16384/S); FLOPs 4*B*H*d*visible pairs (backward 2.5x; its time "
                   "median(fwd+bwd) - median(fwd))",
         "rows": rows,
     }
@@ -314,6 +383,31 @@ def table(result: dict, p: str) -> str:
     return "\n".join(lines)
 
 
+def window_table(result: dict, p: str) -> str:
+    """One line per (d, causal, S, window): flashkiln with the window, its rate over flashkiln's
+    without one (same d, causal, S) and over FlexAttention's with the window, and peak memory."""
+    cells = {(r["backend"], r["d"], r["causal"], r["seqlen"], r["window"]): r for r in result["rows"] if r["pass"] == p}
+
+    def ratio(a: dict | None, b: dict | None) -> str:
+        return f"{a['tflops'] / b['tflops']:.2f}" if a and b else "-"
+
+    def mib(r: dict | None) -> str:
+        return f"{r['peak_mib']:.0f}" if r and "peak_mib" in r else "-"
+
+    lines = [f"{'forward' if p == 'fwd' else 'backward'} with a sliding window, TFLOP/s over the visible pairs; "
+             "window w: (w, w), causal (w, 0); target for w >= 512: x full >= 0.85, x flex >= 1.5; "
+             "peak MiB of forward + backward above the inputs at B = 1, H = 16 (bench/memory.py)", "",
+             "| d | causal | S | w | flashkiln | full | x full | flex | x flex | MiB flashkiln | MiB flex | MiB full |",
+             "|---" * 12 + "|"]
+    for d, causal, s, w in sorted({key[1:] for key in cells if key[4] >= 0}):
+        kiln, flex = cells.get(("flashkiln-window", d, causal, s, w)), cells.get(("flex-window", d, causal, s, w))
+        full = cells.get(("flashkiln", d, causal, s, -1))
+        rate = [f"{r['tflops']:.0f}" if r else "-" for r in (kiln, full, flex)]
+        lines.append(f"| {d} | {causal} | {s} | {w} | {rate[0]} | {rate[1]} | {ratio(kiln, full)} | {rate[2]} | "
+                     f"{ratio(kiln, flex)} | {mib(kiln)} | {mib(flex)} | {mib(full)} |")
+    return "\n".join(lines)
+
+
 def chart(result: dict, p: str, path: Path) -> None:
     import matplotlib
 
@@ -321,14 +415,15 @@ def chart(result: dict, p: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if r["pass"] == p]
+    series = lambda r: r["backend"] + (f" w={r['window']}" if r.get("window", -1) >= 0 else "")  # noqa: E731
     dims = sorted({r["d"] for r in rows})
     fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
     for col, d in enumerate(dims):
         for row, causal in enumerate((False, True)):
             ax = axes[row][col]
-            for backend in sorted({r["backend"] for r in rows}):
+            for backend in sorted({series(r) for r in rows}):
                 pts = sorted((r["seqlen"], r["tflops"]) for r in rows
-                             if r["backend"] == backend and r["d"] == d and r["causal"] == causal)
+                             if series(r) == backend and r["d"] == d and r["causal"] == causal)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
             ax.set_xscale("log", base=2)
@@ -350,14 +445,16 @@ def chart(result: dict, p: str, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("build/bench"))
-    parser.add_argument("--quick", action="store_true", help="S in {2k, 8k} only")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--quick", action="store_true", help="S in {2k, 8k} only ({4k, 16k} with --window)")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128 256 (64 128 with --window)")
     parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     parser.add_argument("--bias", choices=["none", "full", "shared"], default="none",
                         help="time an additive bias instead (full: (B, H, S, S), shared: (1, 1, S, S)), with dBias "
                              "in the backward, beside flashkiln without it and torch's efficient backend")
     parser.add_argument("--varlen", action="store_true",
                         help="time packed variable-length batches instead (S is the longest sequence)")
+    parser.add_argument("--window", action="store_true",
+                        help="time sliding-window attention instead, beside FlexAttention and flashkiln without a window")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--kernel-dir", type=Path, help="flashkiln's kernels (default: the runtime's default)")
@@ -368,7 +465,7 @@ def main() -> None:
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(result, indent=1))
-    tables = "\n\n".join(table(result, p) for p in args.passes)
+    tables = "\n\n".join((window_table if args.window else table)(result, p) for p in args.passes)
     (args.out / "bench.md").write_text(tables + "\n")
     for p in args.passes:
         chart(result, p, args.out / f"{'forward' if p == 'fwd' else 'backward'}.png")

@@ -15,6 +15,10 @@ from .bias import KernelBias
 from .varlen import BatchShape, PackedBatch
 
 
+# The kernels whose tiles follow the visibility rule (common/visibility.hpp), and so a window.
+VISIBILITY_KERNELS = ("fwd", "bwd", "bwd_dq")
+
+
 def _sequence_bounds(packed: PackedBatch | None) -> dict[str, torch.Tensor | None]:
     return {"cu_seqlens_q": None if packed is None else packed.cu_seqlens_q,
             "cu_seqlens_k": None if packed is None else packed.cu_seqlens_k}
@@ -42,6 +46,7 @@ class ForwardCall:
     bias: KernelBias | None = None
     sink: torch.Tensor | None = None  # fp32 (H_q,)
     packed: PackedBatch | None = None
+    window: tuple[int, int] | None = None  # (left, right), inputs.check_window's
 
     @property
     def shape(self) -> BatchShape:
@@ -51,7 +56,8 @@ class ForwardCall:
         """The functional fields (all but arch) of the forward kernel this call needs of `family`."""
         return descriptor.request(kernel="fwd", family=family, dtype=inputs.DTYPES[self.q.dtype], d_qk=self.q.shape[3],
                                   d_v=self.v.shape[3], causal=self.causal,
-                                  bias="none" if self.bias is None else "additive", packed=self.packed is not None)
+                                  bias="none" if self.bias is None else "additive", packed=self.packed is not None,
+                                  window=self.window is not None)
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return forward_tensors(self.q, self.k, self.v, self.out, self.lse,
@@ -81,6 +87,7 @@ class BackwardCall:
     sink: torch.Tensor | None = None  # fp32 (H_q,)
     # The main kernel sums p_sink * P * dP per key tile (dSink, and dBias of a row-summed key-constant bias).
     sink_parts: bool = False
+    window: tuple[int, int] | None = None  # (left, right), inputs.check_window's
 
     @property
     def shape(self) -> BatchShape:
@@ -97,7 +104,11 @@ class BackwardCall:
                                    bias="none" if self.bias is None else "additive")
 
     def kernel_request(self, kernel: str, family: str, **fields) -> dict:
-        """The functional fields (all but arch) of one of this call's kernels of `family`."""
+        """The functional fields (all but arch) of one of this call's kernels of `family`. The
+        kernels that tile by the visibility rule (the main kernel and the dQ kernel) carry the
+        call's window; the preprocess and postprocess work on rows alone."""
+        if kernel in VISIBILITY_KERNELS:
+            fields.setdefault("window", self.window is not None)
         return descriptor.request(kernel=kernel, family=family, dtype=inputs.DTYPES[self.q.dtype],
                                   d_qk=self.q.shape[3], d_v=self.v.shape[3], **fields)
 

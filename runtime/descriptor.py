@@ -67,6 +67,9 @@ AXES: tuple[Axis, ...] = (
     # kernels read the sequence bounds at run time, so their packed=false kernels take both).
     Axis("packed", (False, True), default=False, omit_at_default=True, per_entry=True, tag=_flag_tag("packed"),
          spec_key="packed", spec_required=False),
+    # A sliding window (FlashAttention's window_size); its reach is a run-time value.
+    Axis("window", (False, True), default=False, omit_at_default=True, per_entry=True, tag=_flag_tag("window"),
+         spec_key="window", spec_required=False),
 )
 AXIS = {a.name: a for a in AXES}
 FUNCTIONAL_FIELDS = tuple(a.name for a in AXES)
@@ -116,6 +119,7 @@ class VariantDescriptor:
     # functional, added later (AXES: omit_at_default), so with the default that keeps older
     # manifests and names valid
     packed: bool = False
+    window: bool = False
 
     def __post_init__(self) -> None:
         problems = validation_errors(self.as_dict())

@@ -12,7 +12,7 @@ from .bias import prepare_bias
 from .calls import ForwardCall, forward_tensors
 from .head_dims import kernel_dims, padded
 from .launch import CallPlan, Target, allocate_all, load_kernels, run
-from .plan_cache import PlanCache, packed_key, storage_key, tensor_key
+from .plan_cache import PlanCache, packed_key, storage_key, tensor_key, value_key
 from .registry import KernelRegistry, default_registry
 from .sinks import prepare_sink
 from .varlen import TOKENS, BatchShape, PackedBatch, as_batched, as_tokens, batched_view, check_packed, token_mask
@@ -79,18 +79,18 @@ def _fill_outside_sequences(packed: PackedBatch, total_q: int, *fills: tuple) ->
         buffer.masked_fill_(outside.view(1, 1, -1, *(1,) * (buffer.dim() - 3)), value)
 
 
-def _key(q, k, v, causal, scale, bias, sink, packed, registry, backend) -> Hashable | None:
+def _key(q, k, v, causal, window_size, scale, bias, sink, packed, registry, backend) -> Hashable | None:
     """The plan-cache key of a call (flashkiln.plan_cache), or None for one planned every time."""
     if bias is not None and bias.dtype == torch.bool:
         return None  # converted to an additive bias on every call
-    return (tensor_key(q), tensor_key(k), tensor_key(v), causal, type(scale), scale,
+    return (tensor_key(q), tensor_key(k), tensor_key(v), causal, value_key(window_size), type(scale), scale,
             None if bias is None else storage_key(bias), tensor_key(sink), packed_key(packed), registry, backend)
 
 
-def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None, scale: float | None,
-                 bias: torch.Tensor | None, sink: torch.Tensor | None, packed: PackedBatch | None,
-                 out: torch.Tensor | None, lse: torch.Tensor | None, registry: KernelRegistry | None,
-                 backend: str | None) -> ForwardPlan:
+def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None,
+                 window_size: tuple[int, int] | None, scale: float | None, bias: torch.Tensor | None,
+                 sink: torch.Tensor | None, packed: PackedBatch | None, out: torch.Tensor | None,
+                 lse: torch.Tensor | None, registry: KernelRegistry | None, backend: str | None) -> ForwardPlan:
     """Every check of a forward call, in order, then its plan (attention_forward's arguments)."""
     families.check_backend(backend)
     if packed is not None:
@@ -101,6 +101,8 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
     inputs.check_qkv(q, k, v)
     shape = BatchShape.of(q, k, packed)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
+    causal_mode, window = inputs.check_window(window_size, causal_mode, shape.seqlen_q, shape.seqlen_k,
+                                              packed is not None)
     scores = shape.scores(q.shape[1])
     kernel_bias = None if bias is None else prepare_bias(bias, scores, q)
     kernel_sink = None if sink is None else prepare_sink(sink, q)
@@ -118,7 +120,8 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
     for name, buffer in given.items():
         if buffer is not None:
             inputs.check_output_buffer(name, buffer, {**readers, **{n: b for n, b in given.items() if n != name}})
-    plan = dict(registry=registry, target=target, causal=causal_mode, scale=scale, scores=scores, dims=dims)
+    plan = dict(registry=registry, target=target, causal=causal_mode, window=window, scale=scale, scores=scores,
+                dims=dims)
     if not (out.numel() and shape.batch and shape.seqlen_q):  # (no key is for the kernel: O = 0, LSE = -inf)
         return ForwardPlan(family=None, launches=(), scratch=(), kernels=(), copies=(False,) * 3, **plan)
     if dims != (d_qk, d_v):
@@ -127,7 +130,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
     kernel_qkv = tuple(inputs.kernel_layout(t) for t in (q, k, v))
     copies = tuple(kt is not t for kt, t in zip(kernel_qkv, (q, k, v)))
     q, k, v = kernel_qkv
-    call = ForwardCall(q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed)
+    call = ForwardCall(q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed, window)
     family, launches, scratch = families.plan("forward", call, backend, target, registry, q.device)
     log.debug("flashkiln forward: %s family, %s", family, launches[0].entry.name)
     return ForwardPlan(family=family, launches=tuple(launches), scratch=tuple(scratch.specs),
@@ -135,6 +138,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,
+                      window_size: tuple[int, int] | None = None,
                       scale: float | None = None, bias: torch.Tensor | None = None,
                       sink: torch.Tensor | None = None, packed: PackedBatch | None = None,
                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -145,7 +149,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     q: (B, H_q, S_q, d_qk), k: (B, H_kv, S_k, d_qk), v: (B, H_kv, S_k, d_v), fp16 or bf16 on one
     CUDA device, any strides with a contiguous head dim (others are copied first); H_q a multiple
     of H_kv (GQA/MQA). causal: None, "top_left" (key j visible to query i iff j <= i) or
-    "bottom_right" (iff j <= i + S_k - S_q). scale defaults to 1/sqrt(d_qk). bias: an additive
+    "bottom_right" (iff j <= i + S_k - S_q). window_size: (left, right), a sliding window as
+    FlashAttention's: query i sees key j iff i + S_k - S_q - left <= j <= i + S_k - S_q + right
+    (with causal="top_left", i - left <= j <= i), -1 for an unbounded side, right = 0 under a
+    causal mask; None for none (flashkiln.visibility). scale defaults to 1/sqrt(d_qk). bias: an additive
     score bias broadcastable to (B, H_q, S_q, S_k) in the inputs' dtype, or a bool mask (True
     keeps), as F.scaled_dot_product_attention's attn_mask (flashkiln.bias). sink: (H_q,) sink logits
     that join each row's softmax denominator; the LSE includes them (flashkiln.sinks).
@@ -166,12 +173,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     key = None
     if out is None and lse is None:
         try:
-            key = _key(q, k, v, causal, scale, bias, sink, packed, registry, backend)
+            key = _key(q, k, v, causal, window_size, scale, bias, sink, packed, registry, backend)
         except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what is wrong
             key = None
     plan = None if key is None else PLANS.get(key)
     if plan is None:
-        plan = plan_forward(q, k, v, causal, scale, bias, sink, packed, out, lse, registry, backend)
+        plan = plan_forward(q, k, v, causal, window_size, scale, bias, sink, packed, out, lse, registry, backend)
         if key is not None:
             PLANS.put(key, plan)
     return plan.run(q, k, v, bias, sink, packed, out, lse)

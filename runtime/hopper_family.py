@@ -64,7 +64,7 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
     hq = q.shape[1]
     shape = call.shape
     sq, sk = shape.seqlen_q, shape.seqlen_k
-    entry = tile_choice.choose(registry.tunings(call.request(NAME), target.capability), sq, sk)
+    entry = tile_choice.choose(registry.tunings(call.request(NAME), target.capability), sq, sk, call.window)
     tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
     if sk == 0:
         raise UnsupportedError("the hopper forward needs at least one key")
@@ -89,7 +89,7 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
         scale=call.scale, scale_log2=call.scale * math.log2(math.e),
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step, bias_head_step=bias_map.head_step,
         bias_batch_step=bias_map.batch_step,
-        tile_order=tile_order(bias, bias_map, shape.batch, target.l2_bytes),
+        tile_order=tile_order(bias, bias_map, shape.batch, target.l2_bytes), **inputs.window_fields(call.window),
     )
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_o": "o", **({"tma_bias": "bias"} if bias else {})}
     tensors = {**call.tensors(), **scratch.tensors}
@@ -172,12 +172,13 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     rows = BwdParams(
         **inputs.stride_fields("o", call.out), **inputs.stride_fields("do", call.dout),
         **inputs.stride_fields("dq", call.dq), heads_q=hq, heads_kv=hkv, **shape.params(),
-        seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows, scale=call.scale, scale_log2=scale_log2)
+        seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows, scale=call.scale, scale_log2=scale_log2,
+        **inputs.window_fields(call.window))
     params = HopperBwdParams(
         **encoded, **inputs.stride_fields("dk", call.dk), **inputs.stride_fields("dv", call.dv),
         dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), scale=call.scale,
         scale_log2=scale_log2, tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step,
-        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step)
+        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step, **inputs.window_fields(call.window))
     tensors = {**call.tensors(), **scratch.tensors}
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {})}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())

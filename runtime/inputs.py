@@ -9,6 +9,7 @@ import torch
 
 from .errors import InvalidInputError
 from .head_dims import MAX_HEAD_DIM
+from .visibility import UNBOUNDED_REACH
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 CAUSAL_MODES = {None: "none", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -109,6 +110,45 @@ def check_causal_scale(causal: str | None, scale: float | None, d_qk: int) -> tu
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         fail(f"scale must be a finite positive number, got {scale!r}")
     return CAUSAL_MODES[causal], float(scale)
+
+
+def check_window(window_size: object, causal: str, seqlen_q: int, seqlen_k: int,
+                 packed: bool) -> tuple[str, tuple[int, int] | None]:
+    """(causal mode, window) of a call: window_size (left, right), -1 for an unbounded side, as
+    FlashAttention's (flashkiln.visibility). A causal mask sets `right` to 0, as FlashAttention's
+    causal=True does; a window that bounds nothing is None (the call needs no window kernel). On
+    a dense batch with S_q == S_k the two causal alignments coincide: top_left runs as
+    bottom_right, the window variants' mode."""
+    if window_size is None:
+        return causal, None
+    left, right = window_pair(window_size)
+    if causal != "none":
+        right = 0
+    if left < 0 and (right < 0 or causal != "none"):
+        return causal, None
+    if causal == "top_left" and not packed and seqlen_q == seqlen_k:
+        causal = "bottom_right"
+    return causal, (left, right)
+
+
+def window_pair(window_size: object) -> tuple[int, int]:
+    """window_size checked as a pair of ints, each -1 or at least 0 ((-1, -1) for None); a side
+    reaching UNBOUNDED_REACH keys or more, past every sequence below 2^28 rows, is unbounded (-1)."""
+    if window_size is None:
+        return -1, -1
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in window_size)):
+        fail(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if any(x < -1 for x in window_size):
+        fail(f"window_size sides must be -1 (unbounded) or at least 0, got {tuple(window_size)}")
+    left, right = (-1 if x >= UNBOUNDED_REACH else x for x in window_size)
+    return left, right
+
+
+def window_fields(window: tuple[int, int] | None) -> dict[str, int]:
+    """A parameter block's window fields (-1, -1: none)."""
+    left, right = window or (-1, -1)
+    return {"window_left": left, "window_right": right}
 
 
 def check_tensor(name: str, t: object) -> None:

@@ -64,7 +64,7 @@ class FwdParams(ctypes.Structure):
         ("total_k", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
-        ("_pad0", ctypes.c_int32),
+        *_int32("window_left", "window_right"),
     ]
 
 
@@ -81,6 +81,7 @@ class BwdParams(ctypes.Structure):
         ("seqlen_q_rounded", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
+        *_int32("window_left", "window_right"),
     ]
 
 
@@ -119,6 +120,8 @@ class HopperFwdParams(ctypes.Structure):
         ("bias_head_step", ctypes.c_int32),
         ("bias_batch_step", ctypes.c_int32),
         ("tile_order", ctypes.c_int32),
+        *_int32("window_left", "window_right"),
+        ("_pad", ctypes.c_int32 * 14),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 
@@ -139,8 +142,8 @@ class HopperBwdParams(ctypes.Structure):
         *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "total_q", "total_k"),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
-        *_int32("bias_row_step", "bias_head_step", "bias_batch_step"),
-        ("_pad", ctypes.c_int32 * 12),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        *_int32("bias_row_step", "bias_head_step", "bias_batch_step", "window_left", "window_right"),
+        ("_pad", ctypes.c_int32 * 10),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

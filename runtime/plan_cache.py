@@ -24,6 +24,13 @@ def tensor_key(t: Any) -> Hashable:
     return type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
+def value_key(value: Any) -> Hashable:
+    """A plain argument by type and value (True must not hit the plan of 1, nor [1, 2] that of (1, 2))."""
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(value_key(x) for x in value)
+    return type(value), value
+
+
 def storage_key(t: torch.Tensor) -> Hashable:
     """tensor_key and the room its storage leaves after it (a bias is read in whole 16-byte pieces)."""
     return tensor_key(t), t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()

@@ -36,16 +36,17 @@ def causal_row_shift(seqlen_q: int, tile_m: int, shift_rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def computed_pairs(seqlen_q: int, seqlen_k: int, causal: str, tile_m: int, tile_n: int, shift_rows: int = 0) -> int:
+def computed_pairs(seqlen_q: int, seqlen_k: int, causal: str, tile_m: int, tile_n: int, shift_rows: int = 0,
+                   window: tuple[int, int] | None = None) -> int:
     """(query, key) pairs a forward computes in whole tiles (flashkiln.visibility, the kernels' rule). With
     shift_rows, a causal grid of query tiles starts above row 0 by the padding rounded down to a
     multiple of shift_rows."""
     n_blocks = ceil_div(seqlen_k, tile_n)
     m_blocks = ceil_div(seqlen_q, tile_m)
-    if causal == "none":
+    if causal == "none" and window is None:
         return m_blocks * tile_m * n_blocks * tile_n
-    rule = visibility(causal, seqlen_q, seqlen_k)
-    row_shift = causal_row_shift(seqlen_q, tile_m, shift_rows)
+    rule = visibility(causal, seqlen_q, seqlen_k, window)
+    row_shift = causal_row_shift(seqlen_q, tile_m, shift_rows) if causal != "none" else 0
     pairs = 0
     for m_block in range(m_blocks):
         row0 = m_block * tile_m - row_shift
@@ -54,11 +55,12 @@ def computed_pairs(seqlen_q: int, seqlen_k: int, causal: str, tile_m: int, tile_
     return pairs
 
 
-def choose(entries: list[KernelEntry], seqlen_q: int, seqlen_k: int) -> KernelEntry:
+def choose(entries: list[KernelEntry], seqlen_q: int, seqlen_k: int,
+           window: tuple[int, int] | None = None) -> KernelEntry:
     """The entry (tunings of one variant, the default first) with the least estimated time."""
     def cost(entry: KernelEntry) -> float:
         d = entry.descriptor
         shift_rows = HOPPER_CAUSAL_SHIFT_ROWS if d["family"] == "hopper" else 0
-        pairs = computed_pairs(seqlen_q, seqlen_k, d["causal"], d["tile_m"], d["tile_n"], shift_rows)
+        pairs = computed_pairs(seqlen_q, seqlen_k, d["causal"], d["tile_m"], d["tile_n"], shift_rows, window)
         return pairs / entry.relative_speed
     return min(entries, key=cost)  # the first of equals: the default

@@ -18,14 +18,41 @@ def repro_line(file: str, test: str, **kw) -> str:
     return f"repro: pytest -q 'tests/{file}::{test}'  ({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
 
 
-def visible_mask(sq: int, sk: int, causal: str | None, device: torch.device) -> torch.Tensor | None:
-    """(S_q, S_k) bool, True where key j is visible to query i; None when everything is."""
-    if causal is None:
+def check_window(window: object) -> tuple[int, int] | None:
+    """The reference's own reading of a window_size: (left, right) ints >= -1 (-1: unbounded on that
+    side), or None for no window; (-1, -1) is no window too. Anything else is a test bug."""
+    if window is None:
         return None
-    offset = sk - sq if causal == "bottom_right" else 0
+    assert isinstance(window, tuple) and len(window) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window), f"bad window {window!r}"
+    return None if window == (-1, -1) else window
+
+
+def visible_mask(sq: int, sk: int, causal: str | None, device: torch.device, *,
+                 window: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """(S_q, S_k) bool, True where key j is visible to query i; None when everything is.
+
+    window (FlashAttention's window_size): (left, right), -1 unbounded on that side; row i sees key j
+    iff i + off - left <= j <= i + off + right, off = S_k - S_q (bottom-right alignment) unless
+    causal is "top_left" (then 0). A causal mask sets right to 0. None or (-1, -1): no window.
+    """
+    window = check_window(window)
+    if causal is None and window is None:
+        return None
+    offset = 0 if causal == "top_left" else sk - sq
     i = torch.arange(sq, device=device)[:, None]
     j = torch.arange(sk, device=device)[None, :]
-    return j <= i + offset
+    if window is None:
+        return j <= i + offset
+    left, right = window
+    if causal is not None:
+        right = 0
+    mask = torch.ones((sq, sk), dtype=torch.bool, device=device)
+    if right >= 0:
+        mask = mask & (j <= i + offset + right)
+    if left >= 0:
+        mask = mask & (j >= i + offset - left)
+    return mask
 
 
 @dataclass(frozen=True)
@@ -47,9 +74,10 @@ def as_additive(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None, scale: float | None,
                         compute_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                        sink: torch.Tensor | None = None) -> Reference:
+                        sink: torch.Tensor | None = None, *, window: tuple[int, int] | None = None) -> Reference:
     """softmax(scale q kᵀ + bias) v computed in `compute_dtype` (fp32 for REF32, the input dtype for
-    REFLP); `bias` broadcasts to the scores, a bool mask keeps where True.
+    REFLP); `bias` broadcasts to the scores, a bool mask keeps where True; `window`: a sliding
+    window (left, right) as visible_mask's, or None.
 
     Rows that see no key follow the convention (O = 0, LSE = -inf) instead of PyTorch's NaN.
     """
@@ -61,7 +89,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if bias is not None:
         scores = scores + as_additive(bias, compute_dtype)
-    mask = visible_mask(q.shape[2], k.shape[2], causal, q.device)
+    mask = visible_mask(q.shape[2], k.shape[2], causal, q.device, window=window)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     keys_lse = torch.logsumexp(scores.detach().float(), dim=-1)
@@ -99,15 +127,17 @@ class GradReference:
 def attention_grad_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                              causal: str | None, scale: float | None, compute_dtype: torch.dtype,
                              bias: torch.Tensor | None = None, sink: torch.Tensor | None = None,
-                             dlse: torch.Tensor | None = None) -> GradReference:
+                             dlse: torch.Tensor | None = None, *,
+                             window: tuple[int, int] | None = None) -> GradReference:
     """dq, dk, dv (and dbias for a float bias) of attention_reference(...).out for upstream gradient
-    `dout`, and of its LSE for `dlse` when given (autograd in `compute_dtype`)."""
+    `dout`, and of its LSE for `dlse` when given (autograd in `compute_dtype`); `window` as
+    attention_reference's."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
     bias_leaf = None
     if bias is not None:
         bias_leaf = bias if bias.dtype == torch.bool else bias.detach().to(compute_dtype).requires_grad_()
     sink_leaf = None if sink is None else sink.detach().to(compute_dtype).requires_grad_()
-    ref = attention_reference(*leaves, causal, scale, compute_dtype, bias_leaf, sink_leaf)
+    ref = attention_reference(*leaves, causal, scale, compute_dtype, bias_leaf, sink_leaf, window=window)
     if dlse is None:
         ref.out.backward(dout.to(compute_dtype))
     else:

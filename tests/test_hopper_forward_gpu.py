@@ -146,7 +146,7 @@ def test_each_tuning_of_a_variant(monkeypatch, d, causal, sq, sk):
     whichever the shape would pick."""
     forced = {"index": 0, "count": 0, "names": set()}
 
-    def choose(entries, seqlen_q, seqlen_k):
+    def choose(entries, seqlen_q, seqlen_k, window=None):
         forced["count"] = len(entries)
         forced["names"].add(entries[forced["index"]].name)
         return entries[forced["index"]]

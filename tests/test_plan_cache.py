@@ -12,8 +12,9 @@ def qkv(dtype=torch.bfloat16, s=16, d=64):
     return tuple(torch.zeros(1, 2, s, d, dtype=dtype) for _ in range(3))
 
 
-def fkey(q, k, v, causal=None, scale=None, bias=None, sink=None, packed=None, registry=None, backend=None):
-    return forward._key(q, k, v, causal, scale, bias, sink, packed, registry, backend)
+def fkey(q, k, v, causal=None, scale=None, bias=None, sink=None, packed=None, registry=None, backend=None,
+         window_size=None):
+    return forward._key(q, k, v, causal, window_size, scale, bias, sink, packed, registry, backend)
 
 
 def test_equal_calls_have_equal_keys_and_the_address_is_not_part_of_it():
@@ -71,7 +72,8 @@ def test_the_backward_key_reads_the_route_settings_and_torch_s_deterministic_fla
     lse = torch.zeros(1, 2, 16)
 
     def bkey(**kw):
-        args = dict(dout=q, q=q, k=k, v=v, out=q, lse=lse, dlse=None, causal=None, scale=None, bias=None,
+        args = dict(dout=q, q=q, k=k, v=v, out=q, lse=lse, dlse=None, causal=None, window_size=None, scale=None,
+                    bias=None,
                     bias_grad=False, sink=None, sink_grad=False, deterministic=None, packed=None, registry=None,
                     backend=None)
         return backward._key(**{**args, **kw})
@@ -88,6 +90,15 @@ def test_the_backward_key_reads_the_route_settings_and_torch_s_deterministic_fla
         finally:
             torch.use_deterministic_algorithms(flag)
     assert bkey(dlse=lse) != base and bkey(bias_grad=1) != bkey(bias_grad=True)
+    assert bkey(window_size=(4, 0)) != base != bkey(window_size=(-1, -1))
+
+
+def test_the_window_is_keyed_with_its_types():
+    """A window's pair is keyed by value and type: (1, 2) and [1, 2] plan apart (the checks pass
+    both alike), and so do (1, 0) and (True, 0), which the checks refuse."""
+    q, k, v = qkv()
+    keys = [fkey(q, k, v, window_size=w) for w in (None, (1, 2), [1, 2], (1, 0), (True, 0), (1, 2))]
+    assert len(set(keys[:5])) == 5 and keys[1] == keys[5]
 
 
 def test_the_cache_is_bounded_and_drops_its_oldest_plan():

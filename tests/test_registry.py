@@ -399,9 +399,10 @@ def fake_target(capability=(9, 0), memory=141 << 30) -> Target:
     return Target(0, capability, memory, 132, 60 << 20)
 
 
-def planned_forward(q, k, v, out, lse, causal, scale, bias, capability, registry, sink=None, packed=None):
+def planned_forward(q, k, v, out, lse, causal, scale, bias, capability, registry, sink=None, packed=None,
+                    window=None):
     """The portable forward launch for checked (kernel-side) tensors."""
-    call = ForwardCall(q, k, v, out, lse, causal, scale, bias, sink, packed)
+    call = ForwardCall(q, k, v, out, lse, causal, scale, bias, sink, packed, window)
     (launch,) = portable_family.plan_forward(call, fake_target(capability), registry, ScratchSet(q.device))
     return launch
 
@@ -414,10 +415,10 @@ class PlannedBackward:
 
 
 def planned_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, capability, memory, registry,
-                     bias=None, bias_grad=False, packed=None, dlse=None, sink=None, sink_parts=False):
+                     bias=None, bias_grad=False, packed=None, dlse=None, sink=None, sink_parts=False, window=None):
     """The portable backward's launches, route and scratch for checked (kernel-side) tensors."""
     call = BackwardCall(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, bias, bias_grad, packed, dlse,
-                        sink, sink_parts)
+                        sink, sink_parts, window)
     scratch = ScratchSet(q.device)
     planned = portable_family.plan_backward(call, fake_target(capability, memory), registry, scratch)
     return PlannedBackward(planned.launches, planned.route, scratch.tensors)

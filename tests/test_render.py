@@ -66,7 +66,7 @@ def test_entry_point_is_the_descriptor_symbol(d):
 def test_traits_arguments_match_the_descriptor(d):
     args = traits_arguments(render(d))
     expected = [ELEMENTS[d.dtype], str(d.d_qk), str(d.d_v), str(d.tile_m), str(d.tile_n), str(d.warps),
-                str(d.stages), f"flashkiln::Causal::{d.causal}", str(d.bias != "none").lower()]
+                str(d.stages), f"flashkiln::Causal::{d.causal}", str(d.bias != "none").lower(), str(d.window).lower()]
     assert args == expected
 
 
@@ -109,7 +109,7 @@ def test_params_abi_static_asserts_cover_every_field(d):
 def test_params_layout_has_the_expected_float_fields_and_size():
     layout = params_layout("fwd")
     assert [f.name for f in layout.fields if f.is_float] == ["scale", "scale_log2"]
-    assert layout.size == 232  # 9 addresses, 15 strides, 7 ints, 2 floats, padding
+    assert layout.size == 240  # 9 addresses, 15 strides, 9 ints, 2 floats, padding
 
 
 @pytest.mark.parametrize("d", DESCRIPTORS, ids=IDS)
@@ -155,7 +155,7 @@ def test_packed_is_a_hopper_template_parameter(packed):
     d = VariantDescriptor(kernel="fwd", family="hopper", arch="sm_90a", dtype="bf16", d_qk=128, d_v=128,
                           causal="none", bias="none", deterministic=False, tile_m=128, tile_n=128, warps=12,
                           stages=2, packed=packed)
-    assert re.search(rf"{str(packed).lower()}>;\s*// packed batches", render(d))
+    assert re.search(rf"{str(packed).lower()},\s*// packed batches", render(d))
 
 
 @pytest.mark.parametrize("key", sorted(variant_fields_used(DESCRIPTORS[0])))

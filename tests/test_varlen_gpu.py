@@ -109,8 +109,9 @@ def _sequence_bias(bias: torch.Tensor | None, b: int, lq: int, lk: int) -> torch
     return bias[min(b, bias.shape[0] - 1)][None, :, :lq, :lk]
 
 
-def _reference_forward(case: Packed, causal, bias, sink, dtype):
-    """out (total, H, d_v) and lse (H, total) of every sequence alone; NaN rows past the last sequence."""
+def _reference_forward(case: Packed, causal, bias, sink, dtype, window=None):
+    """out (total, H, d_v) and lse (H, total) of every sequence alone (with `window`, the reference's);
+    NaN rows past the last sequence."""
     out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"), device="cuda")
     lse = torch.full((case.q.shape[1], case.q.shape[0]), float("nan"), device="cuda")
     for b, (lq, lk) in enumerate(zip(case.lengths_q, case.lengths_k)):
@@ -118,7 +119,7 @@ def _reference_forward(case: Packed, causal, bias, sink, dtype):
             continue
         ref = attention_reference(case.sequence(case.q, b, False), case.sequence(case.k, b, True),
                                   case.sequence(case.v, b, True), causal, None, dtype,
-                                  bias=_sequence_bias(bias, b, lq, lk), sink=sink)
+                                  bias=_sequence_bias(bias, b, lq, lk), sink=sink, window=window)
         start = int(case.cu_q[b])
         out[start:start + lq] = ref.out[0].transpose(0, 1).float()
         lse[:, start:start + lq] = ref.lse[0]
@@ -194,7 +195,7 @@ def test_each_hopper_tuning_on_packed_batches(monkeypatch, dims, causal):
     _skip_unless_runs("hopper")
     forced = {"index": 0, "count": 0}
 
-    def choose(entries, seqlen_q, seqlen_k):
+    def choose(entries, seqlen_q, seqlen_k, window=None):
         forced["count"] = len(entries)
         return entries[forced["index"]]
 

@@ -1,7 +1,7 @@
 """common/visibility.hpp on the device against its Python mirror, flashkiln.visibility: a probe kernel
 that includes that header alone, compiled with NVRTC, evaluates every rule over a grid of cases
-(each causal mode, the sequence lengths of test_visibility.py, the kernels' tiles, row shifts,
-and random arguments) and every result must equal the mirror's. The probe's source and its
+(each causal mode with and without a window, the sequence lengths and windows of
+test_visibility.py, the kernels' tiles, row shifts, and random arguments) and every result must equal the mirror's. The probe's source and its
 compile for sm_90a are checked on the CPU too."""
 from __future__ import annotations
 
@@ -14,22 +14,25 @@ import pytest
 
 from flashkiln.generator.toolchain import INCLUDE_DIR
 from flashkiln.launch import ceil_div
-from flashkiln.visibility import (CAUSAL_MODES, first_hidden_column, needs_mask, visibility, visible_key_tiles,
-                                  visiting_query_tiles)
-from test_visibility import SHAPES, TILES
+from flashkiln.visibility import (CAUSAL_MODES, first_hidden_column, first_visible_column, needs_mask, visibility,
+                                  visible_key_tiles, visiting_query_tiles)
+from test_visibility import SHAPES, TILES, WINDOWS
 
 HEADER = "flashkiln/common/visibility.hpp"
 INPUTS = ("causal", "tile", "seqlen_q", "seqlen_k", "row", "col0", "row_begin", "row_end", "n_block", "n_tiles",
-          "m_tiles")
-OUTPUTS = ("offset", "first_hidden_column", "needs_mask", "keys_first", "keys_end", "queries_first", "queries_end")
+          "m_tiles", "windowed", "window_left", "window_right")
+OUTPUTS = ("offset", "span", "first_hidden_column", "first_visible_column", "needs_mask", "keys_first", "keys_end",
+           "queries_first", "queries_end")
 
 
 def probe_source(tiles: tuple[tuple[int, int], ...] = TILES) -> str:
     """A kernel evaluating the header's rules for one case per thread: INPUTS in, OUTPUTS out. The
-    causal mode and the tile (an index into `tiles`) pick the template instantiation."""
-    tile_cases = "\n".join(f"    case {i}: evaluate<kCausal, {m}, {n}>(in, out); break;" for i, (m, n) in enumerate(tiles))
-    mode_cases = "\n".join(f"    case {i}: by_tile<flashkiln::Causal::{mode}>(in[1], in, out); break;"
-                           for i, mode in enumerate(CAUSAL_MODES))
+    causal mode, whether a window applies, and the tile (an index into `tiles`) pick the template
+    instantiation."""
+    tile_cases = "\n".join(f"    case {i}: evaluate<kCausal, kWindow, {m}, {n}>(in, out); break;"
+                           for i, (m, n) in enumerate(tiles))
+    mode_cases = "\n".join(f"    case {2 * i + w}: by_tile<flashkiln::Causal::{mode}, {'true' if w else 'false'}>(in[1], in, out); "
+                           "break;" for i, mode in enumerate(CAUSAL_MODES) for w in (0, 1))
     return f"""#include <{HEADER}>
 
 struct ProbeParams {{
@@ -37,21 +40,23 @@ struct ProbeParams {{
   int count;
 }};
 
-template <flashkiln::Causal kCausal, int kBlockM, int kBlockN>
+template <flashkiln::Causal kCausal, bool kWindow, int kBlockM, int kBlockN>
 __device__ void evaluate(int const* in, int* out) {{
-  const flashkiln::Visibility<kCausal> v = flashkiln::visibility<kCausal>(in[2], in[3]);
+  const auto v = flashkiln::visibility<kCausal, kWindow>(in[2], in[3], flashkiln::Window{{in[12], in[13]}});
   const flashkiln::TileRange keys = flashkiln::visible_key_tiles<kBlockN>(v, in[6], in[7], in[9]);
   const flashkiln::TileRange queries = flashkiln::visiting_query_tiles<kBlockM, kBlockN>(v, in[8], in[10]);
   out[0] = v.offset;
-  out[1] = flashkiln::first_hidden_column(v, in[4], in[5]);
-  out[2] = flashkiln::needs_mask<kBlockN>(v, in[4], in[5]);
-  out[3] = keys.first;
-  out[4] = keys.end;
-  out[5] = queries.first;
-  out[6] = queries.end;
+  out[1] = v.span;
+  out[2] = flashkiln::first_hidden_column(v, in[4], in[5]);
+  out[3] = flashkiln::first_visible_column(v, in[4], in[5]);
+  out[4] = flashkiln::needs_mask<kBlockM, kBlockN>(v, in[4], in[5]);
+  out[5] = keys.first;
+  out[6] = keys.end;
+  out[7] = queries.first;
+  out[8] = queries.end;
 }}
 
-template <flashkiln::Causal kCausal>
+template <flashkiln::Causal kCausal, bool kWindow>
 __device__ void by_tile(int tile, int const* in, int* out) {{
   switch (tile) {{
 {tile_cases}
@@ -65,7 +70,7 @@ extern "C" __global__ void visibility_probe(ProbeParams p) {{
   }}
   int const* in = reinterpret_cast<int const*>(p.cases) + i * {len(INPUTS)};
   int* out = reinterpret_cast<int*>(p.results) + i * {len(OUTPUTS)};
-  switch (in[0]) {{
+  switch (2 * in[0] + in[11]) {{
 {mode_cases}
   }}
 }}
@@ -99,32 +104,34 @@ def compile_probe(arch: str) -> bytes:
 
 
 def expected(case: tuple[int, ...]) -> tuple[int, ...]:
-    causal, tile, sq, sk, row, col0, row_begin, row_end, n_block, n_tiles, m_tiles = case
+    causal, tile, sq, sk, row, col0, row_begin, row_end, n_block, n_tiles, m_tiles, windowed, left, right = case
     tile_m, tile_n = TILES[tile]
-    v = visibility(CAUSAL_MODES[causal], sq, sk)
+    v = visibility(CAUSAL_MODES[causal], sq, sk, (left, right) if windowed else None)
     keys = visible_key_tiles(v, row_begin, row_end, tile_n, n_tiles)
     queries = visiting_query_tiles(v, n_block, tile_m, tile_n, m_tiles)
-    return (v.offset, first_hidden_column(v, row, col0), int(needs_mask(v, row, col0, tile_n)),
-            *keys, *queries)
+    return (v.offset, v.span, first_hidden_column(v, row, col0), first_visible_column(v, row, col0),
+            int(needs_mask(v, row, col0, tile_m, tile_n)), *keys, *queries)
 
 
 def cases() -> list[tuple[int, ...]]:
     """The kernels' own arguments over the test shapes (tile starts with and without the hopper's
     row shift, rows inside and at the ends of tiles), then random ones, negative ones among them."""
     out = []
-    for (causal, _), (sq, sk), (tile, (tile_m, tile_n)) in itertools.product(
-            enumerate(CAUSAL_MODES), SHAPES, enumerate(TILES)):
+    for (causal, _), window, (sq, sk), (tile, (tile_m, tile_n)) in itertools.product(
+            enumerate(CAUSAL_MODES), WINDOWS, SHAPES, enumerate(TILES)):
+        windowed = (int(window is not None), *(window or (-1, -1)))
         n_tiles, m_tiles = ceil_div(sk, tile_n), ceil_div(sq, tile_m)
         for shift, m, n in itertools.product(range(0, tile_m, 64), range(m_tiles), range(n_tiles + 1)):
             row0 = m * tile_m - shift
             for row, row_end in ((row0, row0 + tile_m), (row0 + 1, min(sq, row0 + tile_m)),
                                  (row0 + tile_m - 1, min(sq, row0 + 64))):
-                out.append((causal, tile, sq, sk, row, n * tile_n, row0, row_end, n, n_tiles, m_tiles))
+                out.append((causal, tile, sq, sk, row, n * tile_n, row0, row_end, n, n_tiles, m_tiles, *windowed))
     rng = random.Random(21)
-    for _ in range(20000):
+    for _ in range(40000):
         sq, sk = rng.randrange(0, 3000), rng.randrange(0, 3000)
         out.append((rng.randrange(len(CAUSAL_MODES)), rng.randrange(len(TILES)), sq, sk,
-                    *(rng.randrange(-3000, 3000) for _ in range(5)), rng.randrange(0, 50), rng.randrange(0, 50)))
+                    *(rng.randrange(-3000, 3000) for _ in range(5)), rng.randrange(0, 50), rng.randrange(0, 50),
+                    rng.randrange(2), rng.randrange(-1, 3000), rng.randrange(-1, 3000)))
     return out
 
 

@@ -26,7 +26,9 @@ struct FwdParams {
   int32_t total_q, total_k;  // tokens of q and k: seqlen_q and seqlen_k when dense
   float scale;       // applied to Q K^T
   float scale_log2;  // scale * log2(e): the softmax runs in base 2
-  int32_t _pad0;
+  // A window variant's reach below and above each row's aligned key (common/visibility.hpp,
+  // Window); negative: unbounded.
+  int32_t window_left, window_right;
 };
 
 // One block for every backward kernel (preprocess, main, postprocess); each reads what it needs.
@@ -61,6 +63,7 @@ struct BwdParams {
   int32_t seqlen_q_rounded;  // seqlen_q rounded up to kDqAccumRowAlign: the dQ semaphores' rows
   float scale;
   float scale_log2;
+  int32_t window_left, window_right;  // as in FwdParams
 };
 
 }  // namespace flashkiln

@@ -57,11 +57,17 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
   cuda::atomic_ref<int, cuda::thread_scope_device>(*semaphore).fetch_add(1, cuda::memory_order_release);
 }
 
+// The visibility rule of sequence s (common/visibility.hpp).
+template <class T>
+__device__ __forceinline__ Visibility<T::kCausal, T::kWindow> visibility_of(HopperBwdParams const& p,
+                                                                          Sequence const& s) {
+  return visibility<T::kCausal, T::kWindow>(s.seqlen_q, s.seqlen_k, Window{p.window_left, p.window_right});
+}
+
 // The query tiles of sequence s that see its key tile n_block.
 template <class T>
-__device__ __forceinline__ TileRange query_tiles(Sequence const& s, int n_block) {
-  return visiting_query_tiles<T::kBlockM, T::kBlockN>(visibility<T::kCausal>(s.seqlen_q, s.seqlen_k), n_block,
-                                                      ceil_div(s.seqlen_q, T::kBlockM));
+__device__ __forceinline__ TileRange query_tiles(HopperBwdParams const& p, Sequence const& s, int n_block) {
+  return visiting_query_tiles<T::kBlockM, T::kBlockN>(visibility_of<T>(p, s), n_block, ceil_div(s.seqlen_q, T::kBlockM));
 }
 
 // Token coordinates fit in int (runtime/varlen.py).
@@ -85,7 +91,7 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     tma_load(&p.tma_k, &ss.kv_full, ss.k + offset, c * T::kBoxCols, key_row, head_kv, entry);
     tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kBoxCols, key_row, head_kv, entry);
   }
-  const TileRange tiles = query_tiles<T>(s, n_block);
+  const TileRange tiles = query_tiles<T>(p, s, n_block);
   PipelineState<T::kStages> st;
   for (int m = tiles.first; m < tiles.end; ++m) {
     Barrier::wait(&ss.q_empty[st.stage], st.phase ^ 1);
@@ -116,14 +122,15 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
 // The dQ writer of consumer warpgroup `warpgroup`, one thread: adds each part of a query tile's
 // dQ that the warpgroup stages (every query tile's, or taking turns every other one's) to the
 // accumulator, then frees the staging buffer. With semaphores the key tiles of a query tile add
-// in a fixed order, from the last one that sees it down to tile 0 (the key tiles that see a
-// query tile are visible_key_tiles of its rows, the dual of visiting_query_tiles): the CTAs run
+// in a fixed order, from the last one that sees it down to the first (the key tiles that see a
+// query tile are visible_key_tiles of its rows, one unbroken range, the dual of
+// visiting_query_tiles): the CTAs run
 // from the last key tile first, and a later key tile starts its sweep no later, so in steady
 // state under a causal mask nobody waits.
 template <class T>
 __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
                                          int warpgroup, int n_block, int head) {
-  const TileRange tiles = query_tiles<T>(s, n_block);
+  const TileRange tiles = query_tiles<T>(p, s, n_block);
   const int part = T::kDqAlternate ? 0 : warpgroup;
   float* const accum = reinterpret_cast<float*>(p.dq_accum) + s.dq_accum_row(p, head) * T::kDim +
                        part * T::DqLayout::kPartFloats;
@@ -131,7 +138,7 @@ __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::S
   int* const semaphores = p.dq_semaphore == 0 ? nullptr
                                               : reinterpret_cast<int*>(p.dq_semaphore) +
                                                     semaphore_tiles * T::kConsumerWarpgroups + part;
-  const auto vis = visibility<T::kCausal>(s.seqlen_q, s.seqlen_k);
+  const auto vis = visibility_of<T>(p, s);
   const int n_tiles = ceil_div(s.seqlen_k, T::kBlockN);
   const uint32_t staged = cute::cast_smem_ptr_to_uint(ss.dq + warpgroup * T::DqLayout::kPartFloats);
   constexpr int kStep = T::kDqAlternate ? T::kConsumerWarpgroups : 1;
@@ -226,8 +233,8 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   Tensor tdVrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
   Tensor tdKrdS = make_tensor(ds_regs.data(), acc_as_operand_a(ds_regs.layout()));
 
-  const auto vis = visibility<T::kCausal>(s.seqlen_q, s.seqlen_k);
-  const TileRange tiles = query_tiles<T>(s, n_block);
+  const auto vis = visibility_of<T>(p, s);
+  const TileRange tiles = query_tiles<T>(p, s, n_block);
   const int key0 = n_block * T::kBlockN;
   [[maybe_unused]] const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores
   // A packed batch's tiles at a sequence's end hold other tokens (the next sequence's, or any value
@@ -345,14 +352,17 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
 
     // P^T = exp(S^T * scale - LSE), 0 where the row does not see the key (or lies past the end).
-    const bool masked = row0 + T::kBlockM > s.seqlen_q || needs_mask<T::kBlockN>(vis, row0, key0);
+    const bool masked = row0 + T::kBlockM > s.seqlen_q || needs_mask<T::kBlockM, T::kBlockN>(vis, row0, key0);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
       const int key = get<0>(cS(i));
       const int row = get<1>(cS(i));
       float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -stats.lse_log2[row]));
       if (masked) {
-        const bool visible = row0 + row < s.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
+        bool visible = row0 + row < s.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
+        if constexpr (decltype(vis)::kLeftEdge) {
+          visible = visible && key >= first_visible_column(vis, row0 + row, key0);
+        }
         prob = visible ? prob : 0.f;
       }
       acc_s(i) = prob;

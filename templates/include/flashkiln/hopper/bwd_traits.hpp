@@ -21,7 +21,8 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-template <class Element_, int kDim_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_, bool kBias_>
+template <class Element_, int kDim_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_, bool kBias_,
+          bool kWindow_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;  // d_qk == d_v
@@ -30,6 +31,8 @@ struct BwdTraits {
   static constexpr int kStages = kStages_;
   static constexpr Causal kCausal = kCausal_;
   static constexpr bool kBias = kBias_;
+  // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
+  static constexpr bool kWindow = kWindow_;
 
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;

@@ -52,10 +52,11 @@ __device__ __forceinline__ WorkTile in_sequence(HopperFwdParams const& p, WorkTi
 }
 
 // A work tile as the producer names it to the consumers, beside its Q slot: what they need of it
-// (of a packed batch's sequence, too) and the key tiles it has (-1: no tiles are left).
+// (of a packed batch's sequence, too), the key tiles it has (-1: no tiles are left) and, with a
+// window, the first of them.
 template <class T>
 struct TileRecord {
-  __device__ __forceinline__ static void write(volatile int* r, WorkTile const& w, int n_blocks) {
+  __device__ __forceinline__ static void write(volatile int* r, WorkTile const& w, int n_blocks, int first) {
     r[0] = w.row0;
     r[1] = w.head;
     r[2] = w.batch;
@@ -65,8 +66,17 @@ struct TileRecord {
       r[5] = w.seqlen_k;
       r[6] = w.q_begin;
     }
+    if constexpr (T::kWindow) {
+      r[T::kRecordInts - 1] = first;
+    }
   }
   __device__ __forceinline__ static int key_tiles(volatile int const* r) { return r[3]; }
+  __device__ __forceinline__ static int first_key_tile(volatile int const* r) {
+    if constexpr (T::kWindow) {
+      return r[T::kRecordInts - 1];
+    }
+    return 0;
+  }
   // The consumers' copy (k_begin, which only the producer reads, is left 0).
   __device__ __forceinline__ static WorkTile read(HopperFwdParams const& p, volatile int const* r) {
     const int batch = r[2];  // (each read of a volatile is a load of its own)
@@ -83,28 +93,30 @@ struct TileRecord {
 
 // The visibility rule of the tile's sequence (common/visibility.hpp).
 template <class T>
-__device__ __forceinline__ Visibility<T::kCausal> visibility_of(HopperFwdParams const& p, WorkTile const& w) {
+__device__ __forceinline__ Visibility<T::kCausal, T::kWindow> visibility_of(HopperFwdParams const& p,
+                                                                          WorkTile const& w) {
   const int2 len = seqlens<T::kPacked>(p, w);
-  return visibility<T::kCausal>(len.x, len.y);
+  return visibility<T::kCausal, T::kWindow>(len.x, len.y, Window{p.window_left, p.window_right});
 }
 
-// Key tiles the `rows` query rows from row0 of the tile's sequence need (the tile's own, by
-// default), rows past the sequence end left out: the count of visible_key_tiles, which start at
-// tile 0 (0: none).
+// The key tiles the `rows` query rows from row0 of the tile's sequence see (the tile's own, by
+// default), rows past the sequence end left out (visible_key_tiles).
 template <class T>
-__device__ __forceinline__ int key_tiles(HopperFwdParams const& p, WorkTile const& w, int row0,
-                                         int rows = T::kBlockM) {
+__device__ __forceinline__ TileRange key_tiles(HopperFwdParams const& p, WorkTile const& w, int row0,
+                                               int rows = T::kBlockM) {
   const int2 len = seqlens<T::kPacked>(p, w);
   const int n_tiles = ceil_div(len.y, T::kBlockN);
-  return visible_key_tiles<T::kBlockN>(visibility_of<T>(p, w), row0, min(len.x, row0 + rows), n_tiles).end;
+  return visible_key_tiles<T::kBlockN>(visibility_of<T>(p, w), row0, min(len.x, row0 + rows), n_tiles);
 }
 
-// Key tiles consumer warpgroup `warpgroup` computes of work tile w (fwd_traits.hpp, kSkipHidden):
-// those its own 64 rows see, but at least the tile's last, which holds the tile's O stage and Q
-// release (a warpgroup whose rows see no key computes it fully masked).
+// Key tiles consumer warpgroup `warpgroup` computes of work tile w, whose first is `first`
+// (fwd_traits.hpp, kSkipHidden): up to the last its own 64 rows see, but at least the tile's
+// first, which holds the tile's O stage and Q release (a warpgroup whose rows see no key
+// computes it fully masked).
 template <class T>
-__device__ __forceinline__ int warpgroup_key_tiles(HopperFwdParams const& p, WorkTile const& w, int warpgroup) {
-  return max(1, key_tiles<T>(p, w, w.row0 + 64 * warpgroup, 64));
+__device__ __forceinline__ int warpgroup_key_tiles(HopperFwdParams const& p, WorkTile const& w, int warpgroup,
+                                                   int first) {
+  return max(1, key_tiles<T>(p, w, w.row0 + 64 * warpgroup, 64).end - first);
 }
 
 // In a packed batch the key tile at a sequence's end holds the next sequence's tokens (or tokens
@@ -138,7 +150,12 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     int tile;
     bool valid;  // false: the schedule's end
     WorkTile w;
-    int n_blocks;
+    int n_blocks;  // key tiles, from `first`
+    int first;
+  };
+  auto claimed = [&](int tile, WorkTile const& w) {
+    const TileRange keys = key_tiles<T>(p, w, w.row0);
+    return Claimed{tile, true, w, max(keys.end - keys.first, 0), keys.first};
   };
   auto claim = [&](int tile) {
     if constexpr (T::kPacked) {
@@ -147,14 +164,15 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       for (; sched.valid(tile); tile = sched.next(tile)) {
         const WorkTile w = in_sequence<T>(p, sched.decode(tile));
         if (w.row0 < w.seqlen_q) {
-          return Claimed{tile, true, w, key_tiles<T>(p, w, w.row0)};
+          return claimed(tile, w);
         }
       }
-      return Claimed{tile, false, WorkTile{}, 0};
+      return Claimed{tile, false, WorkTile{}, 0, 0};
     } else {
-      const bool valid = sched.valid(tile);
-      const WorkTile w = valid ? in_sequence<T>(p, sched.decode(tile)) : WorkTile{};
-      return Claimed{tile, valid, w, valid ? key_tiles<T>(p, w, w.row0) : 0};
+      if (!sched.valid(tile)) {
+        return Claimed{tile, false, WorkTile{}, 0, 0};
+      }
+      return claimed(tile, in_sequence<T>(p, sched.decode(tile)));
     }
   };
   // Whether the consumers have released the next Q slot (and its tile record), waiting for it
@@ -172,7 +190,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
   auto publish = [&](Claimed const& t) {
     const int slot = q_slot.stage;
     q_slot.advance();
-    TileRecord<T>::write(ss.tile[slot], t.w, t.valid ? t.n_blocks : -1);
+    TileRecord<T>::write(ss.tile[slot], t.w, t.valid ? t.n_blocks : -1, t.first);
     if (t.n_blocks == 0) {
       Barrier::arrive(&ss.q_full[slot]);
       return;
@@ -211,6 +229,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     }
     const WorkTile w = cur.w;
     const int n_blocks = cur.n_blocks;
+    const int key0 = T::kWindow ? cur.first : 0;  // n_block counts key tiles from this one
     const int head_kv = w.head / group;
     Claimed next;
     int ahead = 0;  // the next tile, claimed at the start of this tile's last key tile
@@ -223,7 +242,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       CUTE_UNROLL
       for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
         tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * T::kBoxCols,
-                 c * T::kBoxCols, w.k_begin + n_block * T::kBlockN, head_kv, w.entry);
+                 c * T::kBoxCols, w.k_begin + (key0 + n_block) * T::kBlockN, head_kv, w.entry);
       }
       if constexpr (T::kBias) {
         // A bias broadcast over query rows loads one row per box, into the box's first row.
@@ -233,7 +252,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
         for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
           tma_load(&p.tma_bias, &ss.bias.full[kv.stage],
                    ss.bias.tiles + kv.stage * T::kElemsBias + c * T::kBlockM * T::kBoxCols,
-                   n_block * T::kBlockN + c * T::kBoxCols, w.row0 * p.bias_row_step,
+                   (key0 + n_block) * T::kBlockN + c * T::kBoxCols, w.row0 * p.bias_row_step,
                    w.head * p.bias_head_step, w.batch * p.bias_batch_step);
         }
       }
@@ -242,7 +261,7 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
         CUTE_UNROLL
         for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
           tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
-                   c * T::kBoxCols, w.k_begin + n_block * T::kBlockN, head_kv, w.entry);
+                   c * T::kBoxCols, w.k_begin + (key0 + n_block) * T::kBlockN, head_kv, w.entry);
         }
       };
       if (!kNameAhead && n_block == n_blocks - 1) {
@@ -317,9 +336,12 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
 
   struct Tile {
     WorkTile w;
-    int n_blocks;  // key tiles this warpgroup computes (0: the tile has none)
+    int n_blocks;  // key tiles this warpgroup computes (0: the tile has none), from `first`
+    int first;
     int q_slot;
     bool valid;    // false: no tiles are left
+    // The column of the tile's key tile n_block (counted from `first`).
+    __device__ __forceinline__ int col0(int n_block) const { return ((T::kWindow ? first : 0) + n_block) * T::kBlockN; }
   };
   // The next tile, once the producer names it (its Q has landed with the name), past the key
   // tiles this warpgroup skips.
@@ -333,10 +355,11 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     // Two loads of the count: with one, ptxas spilled in the d 64 consumers.
     t.valid = TileRecord<T>::key_tiles(named) >= 0;
     t.n_blocks = max(TileRecord<T>::key_tiles(named), 0);
+    t.first = TileRecord<T>::first_key_tile(named);
     if constexpr (T::kSkipHidden) {
       // The warpgroup broadcast, so that the compiler knows it is warp-uniform: the pipeline
       // state that depends on it stays in uniform registers.
-      const int own = warpgroup_key_tiles<T>(p, t.w, __shfl_sync(0xffffffff, thread / 128, 0));
+      const int own = warpgroup_key_tiles<T>(p, t.w, __shfl_sync(0xffffffff, thread / 128, 0), t.first);
       CUTE_UNROLL
       for (int i = 0; i < T::kMaxSkipped; ++i) {
         if (t.n_blocks > own) {
@@ -421,8 +444,8 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
   // asks for it, once no GEMM accumulates into it.
   auto to_probabilities = [&](auto first, Tile const& t, int n_block, auto& softmax) {
     const auto vis = visibility_of<T>(p, t.w);
-    if (needs_mask<T::kBlockN>(vis, t.w.row0, n_block * T::kBlockN)) {
-      hopper::mask_scores(rowcol(acc_s), tScS, vis, t.w.row0, n_block * T::kBlockN);
+    if (needs_mask<T::kBlockM, T::kBlockN>(vis, t.w.row0, t.col0(n_block))) {
+      hopper::mask_scores(rowcol(acc_s), tScS, vis, t.w.row0, t.col0(n_block));
     }
     return softmax.template exponentiate<decltype(first)::value>(rowcol(acc_s), p.scale_log2, rescale);
   };
@@ -471,8 +494,8 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
       p_regs = convert_fragment<typename T::Element>(acc_s);
       v_stage = kv.stage;
       Barrier::wait(&ss.v_full[v_stage], kv.phase);
-      if (T::kPacked && (n_block + 1) * T::kBlockN > tile.w.seqlen_k) {
-        zero_v_rows<T>(ss.v + v_stage * T::kElemsV, tile.w.seqlen_k - n_block * T::kBlockN, thread);
+      if (T::kPacked && tile.col0(n_block) + T::kBlockN > tile.w.seqlen_k) {
+        zero_v_rows<T>(ss.v + v_stage * T::kElemsV, tile.w.seqlen_k - tile.col0(n_block), thread);
       }
       kv.advance();
       if (n_block == 0) {

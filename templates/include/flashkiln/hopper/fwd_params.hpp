@@ -46,6 +46,10 @@ struct HopperFwdParams {
   // broadcast along them that does not stay in L2 otherwise (the runtime decides:
   // hopper_forward.tile_order); query tiles otherwise.
   int32_t tile_order;
+  // A window variant's reach below and above each row's aligned key (common/visibility.hpp,
+  // Window); negative: unbounded.
+  int32_t window_left, window_right;
+  int32_t _pad[14];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

@@ -15,7 +15,7 @@ namespace flashkiln::hopper {
 using namespace cute;
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_,
-          bool kBias_, bool kPacked_>
+          bool kBias_, bool kPacked_, bool kWindow_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -26,7 +26,9 @@ struct FwdTraits {
   static constexpr Causal kCausal = kCausal_;
   static constexpr bool kBias = kBias_;
   static constexpr bool kPacked = kPacked_;
-  static constexpr int kRecordInts = kPacked ? 7 : 4;  // fwd_mainloop.hpp, TileRecord
+  // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
+  static constexpr bool kWindow = kWindow_;
+  static constexpr int kRecordInts = (kPacked ? 7 : 4) + (kWindow ? 1 : 0);  // fwd_mainloop.hpp, TileRecord
 
   // One producer warpgroup (a single thread issues the TMA loads), then one consumer warpgroup
   // per 64 query rows of the tile.

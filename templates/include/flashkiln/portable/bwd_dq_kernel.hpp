@@ -39,11 +39,11 @@ __device__ __forceinline__ void bwd_dq_kernel(BwdParams const& p) {
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int64_t bh = int64_t(batch) * p.heads_q + head;
   // The key tiles that visited this query tile: those its whole rows see (the dual of the main
-  // kernel's visiting_query_tiles), from tile 0.
-  const auto vis = visibility<T::kCausal>(seq.seqlen_q, seq.seqlen_k);
+  // kernel's visiting_query_tiles).
+  const auto vis = visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, Window{p.window_left, p.window_right});
   const TileRange keys = visible_key_tiles<kBlockN>(vis, m_block * kBlockM, (m_block + 1) * kBlockM,
                                                     ceil_div(seq.seqlen_k, kBlockN));
-  const int n_end = keys.end;
+  const int n_first = keys.first, n_end = keys.end;
 
   auto k_base = reinterpret_cast<Element const*>(p.k) + seq.k_offset(p.k_batch_stride, p.k_row_stride) +
                 head_kv * p.k_head_stride;
@@ -92,18 +92,18 @@ __device__ __forceinline__ void bwd_dq_kernel(BwdParams const& p) {
   Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kDimQK>>{});
   clear(acc);
 
-  if (n_end > 0) {
-    load_tiles(0, 0);
+  if (n_end > n_first) {
+    load_tiles(n_first, 0);
     cp_async_fence();
     if constexpr (T::kStages == 2) {
-      if (n_end > 1) {
-        load_tiles(1, 1);
+      if (n_end > n_first + 1) {
+        load_tiles(n_first + 1, 1);
       }
       cp_async_fence();
     }
   }
-  for (int n_block = 0; n_block < n_end; ++n_block) {
-    const int stage = T::kStages == 2 ? (n_block & 1) : 0;
+  for (int n_block = n_first; n_block < n_end; ++n_block) {
+    const int stage = T::kStages == 2 ? ((n_block - n_first) & 1) : 0;
     cp_async_wait<T::kStages - 1>();
     __syncthreads();  // this step's dS and K tiles have landed
     gemm_smem_smem(mma, acc, rdS, rKt, at_offset(tsdS, stage * T::kElemsdS), at_offset(tsKt, stage * T::kElemsK),

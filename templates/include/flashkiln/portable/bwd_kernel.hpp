@@ -70,9 +70,9 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
     return;
   }
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  const auto vis = visibility<T::kCausal>(seq.seqlen_q, seq.seqlen_k);
+  const auto vis = visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, Window{p.window_left, p.window_right});
   const int k_rows = min(kBlockN, seq.seqlen_k - n_block * kBlockN);
-  // The query tiles that see this key tile; they run to the last one.
+  // The query tiles that see this key tile.
   const TileRange queries = visiting_query_tiles<kBlockM, kBlockN>(vis, n_block, ceil_div(seq.seqlen_q, kBlockM));
   const int m_begin = queries.first;
   const int m_blocks = queries.end;
@@ -212,9 +212,9 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
     return acc_dq;
   };
   // Key tiles add into a query tile's dQ in a fixed order, from its last visiting key tile down
-  // to tile 0: the key tiles that visit it are visible_key_tiles of its whole rows (the dual of
-  // visiting_query_tiles), which start at tile 0, so waiting for n_last - n_block earlier
-  // additions is exact. Under a causal mask tile n + 1 starts n's query tiles' sweep earlier, so
+  // to its first: the key tiles that visit it are visible_key_tiles of its whole rows (the dual of
+  // visiting_query_tiles), one unbroken range, so waiting for n_last - n_block earlier additions
+  // is exact. Under a causal mask tile n + 1 starts n's query tiles' sweep earlier, so
   // in steady state nobody waits; without a mask the CTAs of a head fall into a one-step lag
   // behind each other.
   auto add_dq_in_order = [&](int m_block, auto const& acc_dq) {
@@ -335,7 +335,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
 
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
-      if (needs_mask<kBlockN>(vis, m_block * kBlockM, n_block * kBlockN)) {
+      if (needs_mask<kBlockM, kBlockN>(vis, m_block * kBlockM, n_block * kBlockN)) {
         mask_scores(s, tScS, vis, m_block * kBlockM, n_block * kBlockN);
       }
       // P = exp(scale * s - lse) and dS = P (dP - delta), in place of the accumulators; with

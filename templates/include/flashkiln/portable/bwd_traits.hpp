@@ -25,7 +25,7 @@ constexpr int row_warps(int rows, int cols_a, int cols_b, int warps) {
 }
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
-          Causal kCausal_, bool kDeterministic_, bool kBias_>
+          Causal kCausal_, bool kDeterministic_, bool kBias_, bool kWindow_>
 struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -41,6 +41,8 @@ struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   static constexpr bool kDeterministic = kDeterministic_;
   // An additive score bias (bias.hpp): its tile of each step rides in the Q/dO ring.
   static constexpr bool kBias = kBias_;
+  // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
+  static constexpr bool kWindow = kWindow_;
 
   static_assert(cute::is_same_v<Element, cutlass::half_t> || cute::is_same_v<Element, cutlass::bfloat16_t>);
   static_assert(kWarps == 4 || kWarps == 8, "backward warps must be 4 or 8");
@@ -97,7 +99,8 @@ struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
 
 // dQ = dS K for one query tile, over the dS tiles the main kernel wrote (deterministic workspace
 // route). kBlockM and kBlockN must be the main kernel's tiles.
-template <class Element_, int kDimQK_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, Causal kCausal_>
+template <class Element_, int kDimQK_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, Causal kCausal_,
+          bool kWindow_>
 struct DqTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimQK_, kBlockM_, kBlockN_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -107,6 +110,8 @@ struct DqTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimQK_, kBlockM_,
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kStages_;  // buffers of the (dS, K) ring
   static constexpr Causal kCausal = kCausal_;
+  // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
+  static constexpr bool kWindow = kWindow_;
   static_assert(kStages == 1 || kStages == 2, "stages must be 1 or 2");
 
   static constexpr int kWarpsQ = row_warps(kBlockM, kDimQK, kDimQK, kWarps);

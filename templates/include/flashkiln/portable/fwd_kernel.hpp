@@ -39,13 +39,12 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
     return;  // a packed batch's grid covers its longest sequence
   }
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  const auto vis = visibility<T::kCausal>(seq.seqlen_q, seq.seqlen_k);
+  const auto vis = visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, Window{p.window_left, p.window_right});
   const int q_rows = min(kBlockM, seq.seqlen_q - m_block * kBlockM);
 
-  // The key tiles this query tile's rows see; they start at tile 0.
+  // The key tiles this query tile's rows see.
   const int n_tiles = ceil_div(seq.seqlen_k, kBlockN);
   const TileRange keys = visible_key_tiles<kBlockN>(vis, m_block * kBlockM, m_block * kBlockM + q_rows, n_tiles);
-  const int n_blocks = keys.end;
 
   // ---- global tensors for this (sequence, head) --------------------------------------------
   auto q_base = reinterpret_cast<Element const*>(p.q) + seq.q_offset(p.q_batch_stride, p.q_row_stride) +
@@ -133,16 +132,16 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
   constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
   OnlineSoftmax<kRows> softmax;
 
-  if (n_blocks > 0) {
+  if (keys.end > keys.first) {
     // ---- prologue: Q and the first key tile (both tiles' K and V with two stages) -------------
-    int n_block = n_blocks - 1;
+    int n_block = keys.end - 1;
     copy_rows<true>(load_qk, tQgQ, tQsQ, tQcQ, q_rows);
     load_k(n_block, 0);
     load_bias_tile(n_block);
     if constexpr (T::kStages == 2) {
       load_v_tile(n_block, 0);
       cp_async_fence();
-      if (n_block > 0) {
+      if (n_block > keys.first) {
         load_k(n_block - 1, 1);
         load_v_tile(n_block - 1, 1);
       }
@@ -150,7 +149,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
     cp_async_fence();
 
     // ---- main loop over key tiles, last to first (the partial and masked tiles come first) --
-    for (int step = 0; n_block >= 0; ++step, --n_block) {
+    for (int step = 0; n_block >= keys.first; ++step, --n_block) {
       const int stage = T::kStages == 2 ? (step & 1) : 0;
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
@@ -174,21 +173,21 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
           // One bias buffer: once every warp has read this tile, the next one streams in during
           // the softmax and P V (the wait at the top of the next step covers it).
           __syncthreads();
-          if (n_block > 0) {
+          if (n_block > keys.first) {
             load_bias_tile(n_block - 1);
           }
           cp_async_fence();
         }
       }
 
-      if (needs_mask<kBlockN>(vis, m_block * kBlockM, n_block * kBlockN)) {
+      if (needs_mask<kBlockM, kBlockN>(vis, m_block * kBlockM, n_block * kBlockN)) {
         mask_scores(rowcol(acc_s), tScS, vis, m_block * kBlockM, n_block * kBlockN);
       }
 
       if constexpr (T::kStages == 1) {
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed, and every warp is done reading K(n)
-        if (n_block > 0) {
+        if (n_block > keys.first) {
           load_k(n_block - 1, 0);
           load_bias_tile(n_block - 1);  // this step's bias was read before the barrier above
           cp_async_fence();
@@ -208,7 +207,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
 
       if constexpr (T::kStages == 2) {
         __syncthreads();  // every warp is done reading this stage's K and V
-        if (n_block >= 2) {
+        if (n_block - 2 >= keys.first) {
           load_k(n_block - 2, stage);
           load_v_tile(n_block - 2, stage);
         }
