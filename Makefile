@@ -57,6 +57,7 @@ bench:
 	tools/pyenv.sh $(GPU_PYTHON) bench/bench.py --out build/bench-bias-shared --bias shared
 	tools/pyenv.sh $(GPU_PYTHON) bench/bench.py --out build/bench-varlen --varlen
 	tools/pyenv.sh $(GPU_PYTHON) bench/bench.py --out build/bench-window --window
+	tools/pyenv.sh $(GPU_PYTHON) bench/bench.py --out build/bench-softcap --softcap
 	tools/pyenv.sh $(GPU_PYTHON) bench/host_overhead.py --out build/bench-host
 	tools/pyenv.sh $(GPU_PYTHON) bench/memory.py --out build/bench-memory
 

@@ -13,6 +13,8 @@ Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/benc
   [--varlen]  (packed batches of 16384 tokens in sequences of S/8..S tokens, S the longest; beside
                torch's efficient backend on nested tensors and FlexAttention with a document mask;
                forward also flashkiln's portable family, beside the hopper one that auto picks)
+  [--softcap] (logit softcapping, cap SOFTCAP, d 64 and 128: flashkiln without and with it beside
+               FlexAttention's score_mod of the same cap)
   [--window]  (sliding-window attention, window w = (w, w), causal (w, 0), w in WINDOWS, S 4k..32k,
                d 64 and 128, B = max(1, 16384 / S): flashkiln beside FlexAttention with the same
                mask and beside flashkiln without a window; FLOPs over the window's visible pairs;
@@ -48,6 +50,7 @@ TORCH_BACKENDS = {
 }
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 WINDOWS = (128, 512, 4096)
+SOFTCAP = 30.0  # the --softcap table's cap (Gemma 2's attention cap is 50; every cap costs the same)
 
 
 # FlexAttention runs compiled, as its documentation asks (eager is a slow reference path): one
@@ -241,6 +244,19 @@ def window_cases(passes: list[str], s: int, causal: bool, left: int, right: int)
             (("flashkiln-window", kiln), ("flex-window", flex))}
 
 
+def softcap_cases(passes: list[str], s: int, causal: bool) -> dict:
+    """flashkiln without and with a logit softcap, and FlexAttention's score modification of the same
+    cap (with its causal block mask, built here)."""
+    kiln = lambda q, k, v: flashkiln.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    capped = lambda q, k, v: flashkiln.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=causal, softcap=SOFTCAP)
+    score_mod = lambda score, b, h, i, j: SOFTCAP * torch.tanh(score / SOFTCAP)  # noqa: E731
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, s, s, device="cuda") if causal else None
+    flex = lambda q, k, v: _flex(q, k, v, score_mod=score_mod, block_mask=block_mask)  # noqa: E731
+    return {(name, p): (fn, False, None) for p in passes for name, fn in
+            (("flashkiln", kiln), ("flashkiln-softcap", capped), ("flex-softcap", flex))}
+
+
 def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, KernelRegistry | None]) -> dict:
     """(name, pass) -> (attention function, deterministic backward?, flashkiln dq route forced or None)"""
     mode = "top_left" if causal else None
@@ -299,11 +315,13 @@ def record(rows: list[dict], cases: dict, leaves: list[torch.Tensor], dout: torc
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.window:
+    if args.seqlens:
+        seqlens = args.seqlens
+    elif args.window:
         seqlens = [4096, 16384] if args.quick else [4096, 8192, 16384, 32768]
     else:
         seqlens = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
-    head_dims = args.head_dims or ([64, 128] if args.window else [64, 128, 256])
+    head_dims = args.head_dims or ([64, 128] if args.window or args.softcap else [64, 128, 256])
     registries: dict[str, KernelRegistry | None] = {"flashkiln": KernelRegistry(args.kernel_dir) if args.kernel_dir else None}
     for spec in args.extra_kernel_dir:
         label, _, path = spec.partition("=")
@@ -311,7 +329,8 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     for d in head_dims:
         # torch's SDPA takes no attn_mask together with is_causal: biased runs are not causal.
-        for causal in (False,) if args.bias != "none" else (False, True):
+        for causal in (False,) if args.bias != "none" else {"both": (False, True), "no": (False,),
+                                                            "yes": (True,)}[args.causal]:
             for s in seqlens:
                 b, h = max(1, 16384 // s), 2048 // d
                 gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
@@ -330,11 +349,15 @@ def run(args: argparse.Namespace) -> dict:
                 leaves = [t.requires_grad_() for t in (q, k, v)]
                 if args.window:
                     peak = (lambda attend: peak_mib(attend, d, s)) if (d, s) in MEMORY_SHAPES else None
-                    for w in (-1, *WINDOWS):  # -1: without a window, the reference rate
+                    for w in (-1, *args.windows):  # -1: without a window, the reference rate
                         left, right = w, 0 if causal else w
                         record(rows, window_cases(args.passes, s, causal, left, right), leaves, dout,
                                4 * b * h * d * window_visible_pairs(s, s, left, right), args, peak,
                                d=d, causal=causal, seqlen=s, window=w, batch=b, heads=h)
+                    continue
+                if args.softcap:
+                    record(rows, softcap_cases(args.passes, s, causal), leaves, dout, fwd_flops, args, d=d,
+                           causal=causal, seqlen=s, batch=b, heads=h)
                     continue
                 if args.bias != "none":
                     bias = torch.randn((b, h, s, s) if args.bias == "full" else (1, 1, s, s), device="cuda",
@@ -446,6 +469,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("build/bench"))
     parser.add_argument("--quick", action="store_true", help="S in {2k, 8k} only ({4k, 16k} with --window)")
+    parser.add_argument("--seqlens", type=int, nargs="+", help="instead of the table's sequence lengths")
+    parser.add_argument("--windows", type=int, nargs="+", default=list(WINDOWS), help="--window's window sizes")
+    parser.add_argument("--causal", choices=("both", "no", "yes"), default="both", help="which masks to time")
     parser.add_argument("--head-dims", type=int, nargs="+", help="default: 64 128 256 (64 128 with --window)")
     parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     parser.add_argument("--bias", choices=["none", "full", "shared"], default="none",
@@ -453,6 +479,9 @@ def main() -> None:
                              "in the backward, beside flashkiln without it and torch's efficient backend")
     parser.add_argument("--varlen", action="store_true",
                         help="time packed variable-length batches instead (S is the longest sequence)")
+    parser.add_argument("--softcap", action="store_true",
+                        help=f"time logit softcapping (cap {SOFTCAP:g}) instead, beside FlexAttention's score_mod "
+                             "and flashkiln without it")
     parser.add_argument("--window", action="store_true",
                         help="time sliding-window attention instead, beside FlexAttention and flashkiln without a window")
     parser.add_argument("--warmup", type=int, default=5)

@@ -65,7 +65,8 @@ class BackwardPlan(CallPlan):
         if self.copies:
             q, k, v, out, dout = (inputs.kernel_layout(t) for t in (q, k, v, out, dout))
         call = BackwardCall(dout, q, k, v, out, lse, *kernel_grads, self.causal, self.scale, self.deterministic,
-                            kernel_bias, self.bias_grad, packed, dlse, kernel_sink, self.sink_parts, self.window)
+                            kernel_bias, self.bias_grad, packed, dlse, kernel_sink, self.sink_parts, self.window,
+                            self.softcap)
         run(self, {**call.tensors(), **scratch})
         if scratch.get("dk_accum") is not None:
             # GQA: sum each group's per-query-head gradients (a fixed-order, deterministic reduction).
@@ -81,14 +82,14 @@ class BackwardPlan(CallPlan):
         return (*_unbatched((dq, dk, dv), packed), *extra)
 
 
-def _key(dout, q, k, v, out, lse, dlse, causal, window_size, scale, bias, bias_grad, sink, sink_grad, deterministic,
-         packed, registry, backend) -> Hashable | None:
+def _key(dout, q, k, v, out, lse, dlse, causal, window_size, softcap, scale, bias, bias_grad, sink, sink_grad,
+         deterministic, packed, registry, backend) -> Hashable | None:
     """The plan-cache key of a call (flashkiln.plan_cache), or None for one planned every time."""
     if bias is not None and bias.dtype == torch.bool:
         return None  # converted to an additive bias on every call
     # The route settings and torch's deterministic flag are read at planning: part of the key.
     return (tensor_key(dout), tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(out), tensor_key(lse),
-            tensor_key(dlse), causal, value_key(window_size), type(scale), scale,
+            tensor_key(dlse), causal, value_key(window_size), value_key(softcap), type(scale), scale,
             None if bias is None else storage_key(bias),
             type(bias_grad), bias_grad, tensor_key(sink), type(sink_grad), sink_grad, type(deterministic),
             deterministic, torch.are_deterministic_algorithms_enabled(), dq_routes.settings(), packed_key(packed),
@@ -132,7 +133,7 @@ def _check_lse_gradient(dlse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, dlse: torch.Tensor | None, causal: str | None,
-                  window_size: tuple[int, int] | None, scale: float | None,
+                  window_size: tuple[int, int] | None, softcap: float | None, scale: float | None,
                   bias: torch.Tensor | None, bias_grad: bool, sink: torch.Tensor | None, sink_grad: bool,
                   deterministic: bool | None, packed: PackedBatch | None, dq: torch.Tensor | None,
                   dk: torch.Tensor | None, dv: torch.Tensor | None, registry: KernelRegistry | None,
@@ -150,8 +151,9 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     inputs.check_qkv(q, k, v)
     shape = BatchShape.of(q, k, packed)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
-    causal_mode, window = inputs.check_window(window_size, causal_mode, shape.seqlen_q, shape.seqlen_k,
-                                              packed is not None)
+    window, softcap = inputs.check_window(window_size, causal_mode), inputs.check_softcap(softcap)
+    causal_mode = inputs.modified_causal(causal_mode, window is not None or softcap is not None, shape.seqlen_q,
+                                         shape.seqlen_k, packed is not None)
     _check_backward_tensors(dout, q, out, lse, v.shape[3])
     if dlse is not None:
         dlse = _check_lse_gradient(dlse, lse)
@@ -180,7 +182,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     closed_form_dbias = bias_grad and kernel_bias.key_constant
     sink_parts = kernel_sink is not None and (sink_grad or (closed_form_dbias and kernel_bias.rows_summed))
     grad_strides = tuple(inputs.empty_gradient_like(t).stride() for t in (q, k, v))
-    plan = dict(registry=registry, target=target, causal=causal_mode, window=window, scale=scale,
+    plan = dict(registry=registry, target=target, causal=causal_mode, window=window, softcap=softcap, scale=scale,
                 deterministic=deterministic,
                 scores=scores, dims=dims, grad_strides=grad_strides, bias_grad=bias_grad, sink_grad=sink_grad,
                 sink_parts=sink_parts)
@@ -197,7 +199,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     copies = any(kt is not t for kt, t in zip(kernel, (q, k, v, out, dout)))
     q, k, v, out, dout = kernel
     call = BackwardCall(dout, q, k, v, out, lse.contiguous(), *grads, causal_mode, scale, deterministic, kernel_bias,
-                        bias_grad, packed, dlse, kernel_sink, sink_parts, window)
+                        bias_grad, packed, dlse, kernel_sink, sink_parts, window, softcap)
     with inputs.kernel_written_allocations():
         family, planned, scratch = families.plan("backward", call, backend, target, registry, q.device)
     log.debug("flashkiln backward: %s family, %s, dq route %s", family, planned.launches[1].entry.name,
@@ -209,7 +211,8 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, *, dlse: torch.Tensor | None = None, causal: str | None = None,
-                       window_size: tuple[int, int] | None = None, scale: float | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
+                       window_size: tuple[int, int] | None = None, softcap: float | None = None,
+                       scale: float | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
                        sink: torch.Tensor | None = None, sink_grad: bool = False, deterministic: bool | None = None,
                        packed: PackedBatch | None = None, dq: torch.Tensor | None = None,
                        dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
@@ -219,7 +222,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     gradient `dout`, then dbias when `bias_grad` (in the bias's own shape, summed over its broadcast
     dims), then dsink when `sink_grad`.
 
-    q, k, v, causal, window_size, scale, bias and sink as given to the forward; out and lse are what it
+    q, k, v, causal, window_size, softcap, scale, bias and sink as given to the forward; out and lse are what it
     returned (with sinks, lse includes them, and the kernels need nothing else). dlse: the LSE's
     upstream gradient (fp32, lse's shape), or None for none (ring attention merges partial results
     through their LSEs, and so needs it).
@@ -246,14 +249,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     key = None
     if dq is None and dk is None and dv is None:
         try:
-            key = _key(dout, q, k, v, out, lse, dlse, causal, window_size, scale, bias, bias_grad, sink, sink_grad,
-                       deterministic, packed, registry, backend)
+            key = _key(dout, q, k, v, out, lse, dlse, causal, window_size, softcap, scale, bias, bias_grad, sink,
+                       sink_grad, deterministic, packed, registry, backend)
         except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what is wrong
             key = None
     plan = None if key is None else PLANS.get(key)
     if plan is None:
-        plan = plan_backward(dout, q, k, v, out, lse, dlse, causal, window_size, scale, bias, bias_grad, sink,
-                             sink_grad, deterministic, packed, dq, dk, dv, registry, backend)
+        plan = plan_backward(dout, q, k, v, out, lse, dlse, causal, window_size, softcap, scale, bias, bias_grad,
+                             sink, sink_grad, deterministic, packed, dq, dk, dv, registry, backend)
         if key is not None:
             PLANS.put(key, plan)
     return plan.run(dout, q, k, v, out, lse, dlse, bias, sink, packed, dq, dk, dv)

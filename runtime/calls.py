@@ -17,6 +17,8 @@ from .varlen import BatchShape, PackedBatch
 
 # The kernels whose tiles follow the visibility rule (common/visibility.hpp), and so a window.
 VISIBILITY_KERNELS = ("fwd", "bwd", "bwd_dq")
+# The kernels that compute the scores, and so cap them (common/softcap.hpp).
+SCORE_KERNELS = ("fwd", "bwd")
 
 
 def _sequence_bounds(packed: PackedBatch | None) -> dict[str, torch.Tensor | None]:
@@ -47,6 +49,7 @@ class ForwardCall:
     sink: torch.Tensor | None = None  # fp32 (H_q,)
     packed: PackedBatch | None = None
     window: tuple[int, int] | None = None  # (left, right), inputs.check_window's
+    softcap: float | None = None  # the cap, inputs.check_softcap's
 
     @property
     def shape(self) -> BatchShape:
@@ -57,7 +60,7 @@ class ForwardCall:
         return descriptor.request(kernel="fwd", family=family, dtype=inputs.DTYPES[self.q.dtype], d_qk=self.q.shape[3],
                                   d_v=self.v.shape[3], causal=self.causal,
                                   bias="none" if self.bias is None else "additive", packed=self.packed is not None,
-                                  window=self.window is not None)
+                                  window=self.window is not None, softcap=self.softcap is not None)
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return forward_tensors(self.q, self.k, self.v, self.out, self.lse,
@@ -88,6 +91,7 @@ class BackwardCall:
     # The main kernel sums p_sink * P * dP per key tile (dSink, and dBias of a row-summed key-constant bias).
     sink_parts: bool = False
     window: tuple[int, int] | None = None  # (left, right), inputs.check_window's
+    softcap: float | None = None  # the cap, inputs.check_softcap's
 
     @property
     def shape(self) -> BatchShape:
@@ -106,9 +110,12 @@ class BackwardCall:
     def kernel_request(self, kernel: str, family: str, **fields) -> dict:
         """The functional fields (all but arch) of one of this call's kernels of `family`. The
         kernels that tile by the visibility rule (the main kernel and the dQ kernel) carry the
-        call's window; the preprocess and postprocess work on rows alone."""
+        call's window, the main kernel its softcap; the preprocess and postprocess work on rows
+        alone."""
         if kernel in VISIBILITY_KERNELS:
             fields.setdefault("window", self.window is not None)
+        if kernel in SCORE_KERNELS:
+            fields.setdefault("softcap", self.softcap is not None)
         return descriptor.request(kernel=kernel, family=family, dtype=inputs.DTYPES[self.q.dtype],
                                   d_qk=self.q.shape[3], d_v=self.v.shape[3], **fields)
 

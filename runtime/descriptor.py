@@ -70,6 +70,9 @@ AXES: tuple[Axis, ...] = (
     # A sliding window (FlashAttention's window_size); its reach is a run-time value.
     Axis("window", (False, True), default=False, omit_at_default=True, per_entry=True, tag=_flag_tag("window"),
          spec_key="window", spec_required=False),
+    # Logit softcapping (Gemma 2's cap * tanh(score / cap)); the cap is a run-time value.
+    Axis("softcap", (False, True), default=False, omit_at_default=True, per_entry=True, tag=_flag_tag("softcap"),
+         spec_key="softcap", spec_required=False),
 )
 AXIS = {a.name: a for a in AXES}
 FUNCTIONAL_FIELDS = tuple(a.name for a in AXES)
@@ -120,6 +123,7 @@ class VariantDescriptor:
     # manifests and names valid
     packed: bool = False
     window: bool = False
+    softcap: bool = False
 
     def __post_init__(self) -> None:
         problems = validation_errors(self.as_dict())

@@ -79,16 +79,19 @@ def _fill_outside_sequences(packed: PackedBatch, total_q: int, *fills: tuple) ->
         buffer.masked_fill_(outside.view(1, 1, -1, *(1,) * (buffer.dim() - 3)), value)
 
 
-def _key(q, k, v, causal, window_size, scale, bias, sink, packed, registry, backend) -> Hashable | None:
+def _key(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, registry,
+         backend) -> Hashable | None:
     """The plan-cache key of a call (flashkiln.plan_cache), or None for one planned every time."""
     if bias is not None and bias.dtype == torch.bool:
         return None  # converted to an additive bias on every call
-    return (tensor_key(q), tensor_key(k), tensor_key(v), causal, value_key(window_size), type(scale), scale,
+    return (tensor_key(q), tensor_key(k), tensor_key(v), causal, value_key(window_size), value_key(softcap),
+            type(scale), scale,
             None if bias is None else storage_key(bias), tensor_key(sink), packed_key(packed), registry, backend)
 
 
 def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None,
-                 window_size: tuple[int, int] | None, scale: float | None, bias: torch.Tensor | None,
+                 window_size: tuple[int, int] | None, softcap: float | None, scale: float | None,
+                 bias: torch.Tensor | None,
                  sink: torch.Tensor | None, packed: PackedBatch | None, out: torch.Tensor | None,
                  lse: torch.Tensor | None, registry: KernelRegistry | None, backend: str | None) -> ForwardPlan:
     """Every check of a forward call, in order, then its plan (attention_forward's arguments)."""
@@ -101,8 +104,9 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
     inputs.check_qkv(q, k, v)
     shape = BatchShape.of(q, k, packed)
     causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
-    causal_mode, window = inputs.check_window(window_size, causal_mode, shape.seqlen_q, shape.seqlen_k,
-                                              packed is not None)
+    window, softcap = inputs.check_window(window_size, causal_mode), inputs.check_softcap(softcap)
+    causal_mode = inputs.modified_causal(causal_mode, window is not None or softcap is not None, shape.seqlen_q,
+                                         shape.seqlen_k, packed is not None)
     scores = shape.scores(q.shape[1])
     kernel_bias = None if bias is None else prepare_bias(bias, scores, q)
     kernel_sink = None if sink is None else prepare_sink(sink, q)
@@ -120,8 +124,8 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
     for name, buffer in given.items():
         if buffer is not None:
             inputs.check_output_buffer(name, buffer, {**readers, **{n: b for n, b in given.items() if n != name}})
-    plan = dict(registry=registry, target=target, causal=causal_mode, window=window, scale=scale, scores=scores,
-                dims=dims)
+    plan = dict(registry=registry, target=target, causal=causal_mode, window=window, softcap=softcap, scale=scale,
+                scores=scores, dims=dims)
     if not (out.numel() and shape.batch and shape.seqlen_q):  # (no key is for the kernel: O = 0, LSE = -inf)
         return ForwardPlan(family=None, launches=(), scratch=(), kernels=(), copies=(False,) * 3, **plan)
     if dims != (d_qk, d_v):
@@ -130,7 +134,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
     kernel_qkv = tuple(inputs.kernel_layout(t) for t in (q, k, v))
     copies = tuple(kt is not t for kt, t in zip(kernel_qkv, (q, k, v)))
     q, k, v = kernel_qkv
-    call = ForwardCall(q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed, window)
+    call = ForwardCall(q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed, window, softcap)
     family, launches, scratch = families.plan("forward", call, backend, target, registry, q.device)
     log.debug("flashkiln forward: %s family, %s", family, launches[0].entry.name)
     return ForwardPlan(family=family, launches=tuple(launches), scratch=tuple(scratch.specs),
@@ -138,7 +142,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,
-                      window_size: tuple[int, int] | None = None,
+                      window_size: tuple[int, int] | None = None, softcap: float | None = None,
                       scale: float | None = None, bias: torch.Tensor | None = None,
                       sink: torch.Tensor | None = None, packed: PackedBatch | None = None,
                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -152,7 +156,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     "bottom_right" (iff j <= i + S_k - S_q). window_size: (left, right), a sliding window as
     FlashAttention's: query i sees key j iff i + S_k - S_q - left <= j <= i + S_k - S_q + right
     (with causal="top_left", i - left <= j <= i), -1 for an unbounded side, right = 0 under a
-    causal mask; None for none (flashkiln.visibility). scale defaults to 1/sqrt(d_qk). bias: an additive
+    causal mask; None for none (flashkiln.visibility). softcap: a cap c > 0 for logit softcapping,
+    as FlashAttention's: each scaled score z becomes c * tanh(z / c) before the bias, the sink and
+    the mask; None or 0 for none. scale defaults to 1/sqrt(d_qk). bias: an additive
     score bias broadcastable to (B, H_q, S_q, S_k) in the inputs' dtype, or a bool mask (True
     keeps), as F.scaled_dot_product_attention's attn_mask (flashkiln.bias). sink: (H_q,) sink logits
     that join each row's softmax denominator; the LSE includes them (flashkiln.sinks).
@@ -173,12 +179,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     key = None
     if out is None and lse is None:
         try:
-            key = _key(q, k, v, causal, window_size, scale, bias, sink, packed, registry, backend)
+            key = _key(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, registry, backend)
         except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what is wrong
             key = None
     plan = None if key is None else PLANS.get(key)
     if plan is None:
-        plan = plan_forward(q, k, v, causal, window_size, scale, bias, sink, packed, out, lse, registry, backend)
+        plan = plan_forward(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, out, lse, registry,
+                            backend)
         if key is not None:
             PLANS.put(key, plan)
     return plan.run(q, k, v, bias, sink, packed, out, lse)

@@ -112,23 +112,27 @@ def check_causal_scale(causal: str | None, scale: float | None, d_qk: int) -> tu
     return CAUSAL_MODES[causal], float(scale)
 
 
-def check_window(window_size: object, causal: str, seqlen_q: int, seqlen_k: int,
-                 packed: bool) -> tuple[str, tuple[int, int] | None]:
-    """(causal mode, window) of a call: window_size (left, right), -1 for an unbounded side, as
-    FlashAttention's (flashkiln.visibility). A causal mask sets `right` to 0, as FlashAttention's
-    causal=True does; a window that bounds nothing is None (the call needs no window kernel). On
-    a dense batch with S_q == S_k the two causal alignments coincide: top_left runs as
-    bottom_right, the window variants' mode."""
+def check_window(window_size: object, causal: str) -> tuple[int, int] | None:
+    """A call's window: window_size (left, right), -1 for an unbounded side, as FlashAttention's
+    (flashkiln.visibility). A causal mask sets `right` to 0, as FlashAttention's causal=True does;
+    a window that bounds nothing is None (the call needs no window kernel)."""
     if window_size is None:
-        return causal, None
+        return None
     left, right = window_pair(window_size)
     if causal != "none":
         right = 0
     if left < 0 and (right < 0 or causal != "none"):
-        return causal, None
-    if causal == "top_left" and not packed and seqlen_q == seqlen_k:
-        causal = "bottom_right"
-    return causal, (left, right)
+        return None
+    return left, right
+
+
+def modified_causal(causal: str, modified: bool, seqlen_q: int, seqlen_k: int, packed: bool) -> str:
+    """The causal mode of a call with a score modification (a window or a softcap): on a dense
+    batch with S_q == S_k the two alignments coincide, and top_left runs as bottom_right, the mode
+    the specs generate those variants for."""
+    if modified and causal == "top_left" and not packed and seqlen_q == seqlen_k:
+        return "bottom_right"
+    return causal
 
 
 def window_pair(window_size: object) -> tuple[int, int]:
@@ -143,6 +147,25 @@ def window_pair(window_size: object) -> tuple[int, int]:
         fail(f"window_size sides must be -1 (unbounded) or at least 0, got {tuple(window_size)}")
     left, right = (-1 if x >= UNBOUNDED_REACH else x for x in window_size)
     return left, right
+
+
+def check_softcap(softcap: object) -> float | None:
+    """A logit softcap's cap: a finite positive number, or None (and 0, FlashAttention's "off") for none."""
+    if softcap is None or (not isinstance(softcap, bool) and isinstance(softcap, (int, float)) and softcap == 0):
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+            or softcap < 0:
+        fail(f"softcap must be a finite positive number (or None or 0: none), got {softcap!r}")
+    return float(softcap)
+
+
+def score_fields(scale: float, softcap: float | None) -> dict[str, float]:
+    """A parameter block's score scaling: scale and scale_log2 (the softmax's, base 2), and with a
+    softcap those of the capped logit, the cap itself, and softcap_scale = scale / cap, by which
+    the raw scores enter its tanh (common/softcap.hpp)."""
+    if softcap is None:
+        return {"scale": scale, "scale_log2": scale * math.log2(math.e), "softcap_scale": 0.0}
+    return {"scale": softcap, "scale_log2": softcap * math.log2(math.e), "softcap_scale": scale / softcap}
 
 
 def window_fields(window: tuple[int, int] | None) -> dict[str, int]:

@@ -121,6 +121,7 @@ class CallPlan:
     scratch: tuple[Scratch, ...]
     causal: str
     window: tuple[int, int] | None  # (left, right), inputs.check_window's
+    softcap: float | None  # the cap, inputs.check_softcap's
     scale: float
     scores: tuple[int, int, int, int]  # (B, H_q, S_q, S_k), what a bias broadcasts to
     dims: tuple[int, int]  # the kernels' head dims (larger than the call's: zero-padded copies)

@@ -42,6 +42,11 @@ def _scores_shape(q: torch.Tensor, k: torch.Tensor, packed: Optional[PackedBatch
     return packed.batch, q.shape[1], packed.max_seqlen_q, packed.max_seqlen_k
 
 
+def _softcap_arg(softcap: Optional[float]) -> float:
+    """A softcap as the ops' float (0.0: none), checked."""
+    return checks.check_softcap(softcap) or 0.0
+
+
 def _window(window_left: int, window_right: int) -> Optional[tuple[int, int]]:
     """The ops' window ints as attention_forward's window_size ((-1, -1): none)."""
     return None if window_left == window_right == -1 else (window_left, window_right)
@@ -50,12 +55,12 @@ def _window(window_left: int, window_right: int) -> Optional[tuple[int, int]]:
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
              sink: Optional[torch.Tensor], causal: str, scale: float, deterministic: Optional[bool],
              cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-             max_seqlen_q: int = 0, max_seqlen_k: int = 0, window_left: int = -1,
-             window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0, window_left: int = -1, window_right: int = -1,
+             softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); `deterministic` is only carried to the backward. With cu_seqlens, a packed
-    batch (flashkiln.varlen); window_left/right: window_size (-1, -1: none)."""
+    batch (flashkiln.varlen); window_left/right: window_size (-1, -1: none); softcap 0: none."""
     out, lse = attention_forward(q, k, v, causal=_causal_arg(causal), window_size=_window(window_left, window_right),
-                                 scale=scale, bias=bias, sink=sink,
+                                 softcap=softcap, scale=scale, bias=bias, sink=sink,
                                  packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return out, lse
 
@@ -65,7 +70,7 @@ attention_forward_op = torch.library.custom_op("flashkiln::attention_forward", m
 
 @attention_forward_op.register_fake
 def _(q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-      max_seqlen_k=0, window_left=-1, window_right=-1):
+      max_seqlen_k=0, window_left=-1, window_right=-1, softcap=0.0):
     if _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) is not None:
         q, k, v = (as_batched(t) for t in (q, k, v))
         checks.check_qkv(q, k, v)
@@ -76,10 +81,12 @@ def _(q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q=None, cu_s
 
 
 def _gradients_or_none(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, causal, scale, deterministic,
-                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right) -> tuple:
+                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+                       softcap) -> tuple:
     """(dq, dk, dv, dbias or None, dsink or None) of the backward op's arguments."""
     dq, dk, dv, *extra = attention_backward(dout, q, k, v, out, lse, dlse=dlse, causal=_causal_arg(causal),
-                                            window_size=_window(window_left, window_right), scale=scale, bias=bias, bias_grad=bias_grad, sink=sink,
+                                            window_size=_window(window_left, window_right), softcap=softcap,
+                                            scale=scale, bias=bias, bias_grad=bias_grad, sink=sink,
                                             sink_grad=sink_grad, deterministic=deterministic,
                                             packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     dbias = extra.pop(0) if bias_grad else None
@@ -92,12 +99,12 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     sink: Optional[torch.Tensor], sink_grad: bool, causal: str, scale: float,
                     deterministic: Optional[bool], cu_seqlens_q: Optional[torch.Tensor] = None,
                     cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                    window_left: int = -1, window_right: int = -1
+                    window_left: int = -1, window_right: int = -1, softcap: float = 0.0
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias, dsink); dbias and dsink are empty tensors unless asked for (an op returns tensors)."""
     dq, dk, dv, dbias, dsink = _gradients_or_none(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad,
                                                   causal, scale, deterministic, cu_seqlens_q, cu_seqlens_k,
-                                                  max_seqlen_q, max_seqlen_k, window_left, window_right)
+                                                  max_seqlen_q, max_seqlen_k, window_left, window_right, softcap)
     return dq, dk, dv, q.new_empty(0) if dbias is None else dbias, q.new_empty(0) if dsink is None else dsink
 
 
@@ -106,7 +113,7 @@ attention_backward_op = torch.library.custom_op("flashkiln::attention_backward",
 
 @attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, causal, scale, deterministic, cu_seqlens_q=None,
-      cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, window_left=-1, window_right=-1):
+      cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, window_left=-1, window_right=-1, softcap=0.0):
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if packed is not None:
         q, k, v = (as_batched(t) for t in (q, k, v))
@@ -117,11 +124,11 @@ def _(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, causal, s
 
 
 def _save(ctx, q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-          max_seqlen_k, window_left, window_right, out, lse) -> None:
+          max_seqlen_k, window_left, window_right, softcap, out, lse) -> None:
     ctx.save_for_backward(q, k, v, bias, sink, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
     ctx.max_seqlen = (max_seqlen_q, max_seqlen_k)
-    ctx.window = (window_left, window_right)
+    ctx.window, ctx.softcap = (window_left, window_right), softcap
 
 
 def _gradients(ctx, dout, dlse, backward) -> tuple:
@@ -131,8 +138,8 @@ def _gradients(ctx, dout, dlse, backward) -> tuple:
     bias_grad, sink_grad = bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])
     dq, dk, dv, dbias, dsink = backward(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, ctx.causal,
                                         ctx.scale, ctx.deterministic, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen,
-                                        *ctx.window)
-    return (dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None) + (None,) * 9
+                                        *ctx.window, ctx.softcap)
+    return (dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None) + (None,) * 10
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -175,7 +182,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
                                  *, deterministic: Optional[bool] = None, sink: Optional[torch.Tensor] = None,
-                                 window_size: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                                 window_size: Optional[tuple[int, int]] = None,
+                                 softcap: Optional[float] = None) -> torch.Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, differentiable.
 
     Supported: (N, H, L, E) or (N, L, E) inputs, attn_mask (a bool mask, True keeps, or an additive
@@ -188,6 +196,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     learned sink logits that join each row's softmax denominator (gpt-oss), differentiable.
     window_size (flashkiln's own, keyword only): (left, right), a sliding window as
     FlashAttention's (attention_forward; -1 unbounded, right = 0 with is_causal), None for none.
+    softcap (flashkiln's own, keyword only): logit softcapping's cap (attention_forward's), None for none.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         checks.check_tensor(name, t)
@@ -208,7 +217,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     # A bool mask becomes its additive bias here, once, not in both the forward and the backward.
     attn_mask = None if attn_mask is None else additive(attn_mask, query.dtype)
     out, _ = _attention(query, key, value, attn_mask, sink, "top_left" if is_causal else "none", scale, deterministic,
-                        None, None, 0, 0, *checks.window_pair(window_size))
+                        None, None, 0, 0, *checks.window_pair(window_size), _softcap_arg(softcap))
     return out.squeeze(1) if three_d else out
 
 
@@ -217,7 +226,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      causal: Optional[str] = None, scale: Optional[float] = None,
                      bias: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
                      deterministic: Optional[bool] = None, window_size: Optional[tuple[int, int]] = None,
-                     validate: bool = False) -> torch.Tensor:
+                     softcap: Optional[float] = None, validate: bool = False) -> torch.Tensor:
     """Attention over a packed batch of variable-length sequences, differentiable (flashkiln.varlen).
 
     q: (total_q, H_q, d_qk), k: (total_k, H_kv, d_qk), v: (total_k, H_kv, d_v); sequence b is
@@ -226,7 +235,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     fine), max_seqlen_q/k their longest lengths. causal: None, "top_left" or "bottom_right", per
     sequence. bias: additive, broadcastable to (batch, H_q, max_seqlen_q, max_seqlen_k), or a bool
     mask; sequence b reads bias[b, :, :len_q, :len_k]. sink: (H_q,) sink logits. window_size:
-    (left, right), a sliding window per sequence (attention_forward's). Returns
+    (left, right), a sliding window per sequence (attention_forward's). softcap: logit
+    softcapping's cap (attention_forward's). Returns
     (total_q, H_q, d_v); rows of tokens in no sequence are zeros (their gradients too).
     The offsets are not read on the host unless `validate` (then a sync: PackedBatch.validate).
     """
@@ -237,5 +247,5 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     bias = None if bias is None else additive(bias, q.dtype)  # once (see scaled_dot_product_attention)
     out, _ = _attention(q, k, v, bias, sink, causal or "none", scale, deterministic, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, *checks.window_pair(window_size))
+                        max_seqlen_q, max_seqlen_k, *checks.window_pair(window_size), _softcap_arg(softcap))
     return out

@@ -65,6 +65,7 @@ class FwdParams(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
         *_int32("window_left", "window_right"),
+        ("softcap_scale", ctypes.c_float),
     ]
 
 
@@ -82,6 +83,7 @@ class BwdParams(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
         *_int32("window_left", "window_right"),
+        ("softcap_scale", ctypes.c_float),
     ]
 
 
@@ -121,7 +123,8 @@ class HopperFwdParams(ctypes.Structure):
         ("bias_batch_step", ctypes.c_int32),
         ("tile_order", ctypes.c_int32),
         *_int32("window_left", "window_right"),
-        ("_pad", ctypes.c_int32 * 14),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("softcap_scale", ctypes.c_float),
+        ("_pad", ctypes.c_int32 * 13),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 
@@ -143,7 +146,8 @@ class HopperBwdParams(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
         *_int32("bias_row_step", "bias_head_step", "bias_batch_step", "window_left", "window_right"),
-        ("_pad", ctypes.c_int32 * 10),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("softcap_scale", ctypes.c_float),
+        ("_pad", ctypes.c_int32 * 9),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

@@ -74,10 +74,12 @@ def as_additive(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None, scale: float | None,
                         compute_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                        sink: torch.Tensor | None = None, *, window: tuple[int, int] | None = None) -> Reference:
+                        sink: torch.Tensor | None = None, *, window: tuple[int, int] | None = None,
+                        softcap: float | None = None) -> Reference:
     """softmax(scale q kᵀ + bias) v computed in `compute_dtype` (fp32 for REF32, the input dtype for
     REFLP); `bias` broadcasts to the scores, a bool mask keeps where True; `window`: a sliding
-    window (left, right) as visible_mask's, or None.
+    window (left, right) as visible_mask's, or None; `softcap` c: the scaled scores z become
+    c * tanh(z / c) before the bias and the mask (FlashAttention's order).
 
     Rows that see no key follow the convention (O = 0, LSE = -inf) instead of PyTorch's NaN.
     """
@@ -87,6 +89,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
         scores = scores + as_additive(bias, compute_dtype)
     mask = visible_mask(q.shape[2], k.shape[2], causal, q.device, window=window)
@@ -128,16 +132,18 @@ def attention_grad_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              causal: str | None, scale: float | None, compute_dtype: torch.dtype,
                              bias: torch.Tensor | None = None, sink: torch.Tensor | None = None,
                              dlse: torch.Tensor | None = None, *,
-                             window: tuple[int, int] | None = None) -> GradReference:
+                             window: tuple[int, int] | None = None,
+                             softcap: float | None = None) -> GradReference:
     """dq, dk, dv (and dbias for a float bias) of attention_reference(...).out for upstream gradient
-    `dout`, and of its LSE for `dlse` when given (autograd in `compute_dtype`); `window` as
-    attention_reference's."""
+    `dout`, and of its LSE for `dlse` when given (autograd in `compute_dtype`); `window` and
+    `softcap` as attention_reference's."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
     bias_leaf = None
     if bias is not None:
         bias_leaf = bias if bias.dtype == torch.bool else bias.detach().to(compute_dtype).requires_grad_()
     sink_leaf = None if sink is None else sink.detach().to(compute_dtype).requires_grad_()
-    ref = attention_reference(*leaves, causal, scale, compute_dtype, bias_leaf, sink_leaf, window=window)
+    ref = attention_reference(*leaves, causal, scale, compute_dtype, bias_leaf, sink_leaf, window=window,
+                              softcap=softcap)
     if dlse is None:
         ref.out.backward(dout.to(compute_dtype))
     else:

@@ -67,6 +67,7 @@ DOMAINS = {
     "deterministic": (False,),
     "packed": (False, True),
     "window": (False, True),
+    "softcap": (False, True),
     "tile_m": (16, 32, 64, 128, 256),
     "tile_n": (16, 32, 64, 128, 256),
     "warps": (1, 2, 4, 8),
@@ -155,7 +156,7 @@ def test_canonical_is_sorted_compact_json_with_schema():
     assert " " not in text and "\n" not in text
     parsed = json.loads(text)
     fields = dataclasses.asdict(d)
-    del fields["packed"], fields["window"]  # added later: left out at their defaults (next test)
+    del fields["packed"], fields["window"], fields["softcap"]  # added later: left out at their defaults
     assert parsed == {"schema": SCHEMA_VERSION, **fields}
     assert list(parsed) == sorted(parsed)
     assert text == ('{"arch":"sm_90a","bias":"none","causal":"bottom_right","d_qk":128,"d_v":128,'

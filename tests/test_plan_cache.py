@@ -13,8 +13,8 @@ def qkv(dtype=torch.bfloat16, s=16, d=64):
 
 
 def fkey(q, k, v, causal=None, scale=None, bias=None, sink=None, packed=None, registry=None, backend=None,
-         window_size=None):
-    return forward._key(q, k, v, causal, window_size, scale, bias, sink, packed, registry, backend)
+         window_size=None, softcap=None):
+    return forward._key(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, registry, backend)
 
 
 def test_equal_calls_have_equal_keys_and_the_address_is_not_part_of_it():
@@ -72,7 +72,8 @@ def test_the_backward_key_reads_the_route_settings_and_torch_s_deterministic_fla
     lse = torch.zeros(1, 2, 16)
 
     def bkey(**kw):
-        args = dict(dout=q, q=q, k=k, v=v, out=q, lse=lse, dlse=None, causal=None, window_size=None, scale=None,
+        args = dict(dout=q, q=q, k=k, v=v, out=q, lse=lse, dlse=None, causal=None, window_size=None, softcap=None,
+                    scale=None,
                     bias=None,
                     bias_grad=False, sink=None, sink_grad=False, deterministic=None, packed=None, registry=None,
                     backend=None)
@@ -91,6 +92,7 @@ def test_the_backward_key_reads_the_route_settings_and_torch_s_deterministic_fla
             torch.use_deterministic_algorithms(flag)
     assert bkey(dlse=lse) != base and bkey(bias_grad=1) != bkey(bias_grad=True)
     assert bkey(window_size=(4, 0)) != base != bkey(window_size=(-1, -1))
+    assert bkey(softcap=30.0) != base and bkey(softcap=30) != bkey(softcap=30.0)
 
 
 def test_the_window_is_keyed_with_its_types():

@@ -400,9 +400,9 @@ def fake_target(capability=(9, 0), memory=141 << 30) -> Target:
 
 
 def planned_forward(q, k, v, out, lse, causal, scale, bias, capability, registry, sink=None, packed=None,
-                    window=None):
+                    window=None, softcap=None):
     """The portable forward launch for checked (kernel-side) tensors."""
-    call = ForwardCall(q, k, v, out, lse, causal, scale, bias, sink, packed, window)
+    call = ForwardCall(q, k, v, out, lse, causal, scale, bias, sink, packed, window, softcap)
     (launch,) = portable_family.plan_forward(call, fake_target(capability), registry, ScratchSet(q.device))
     return launch
 
@@ -415,10 +415,11 @@ class PlannedBackward:
 
 
 def planned_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, capability, memory, registry,
-                     bias=None, bias_grad=False, packed=None, dlse=None, sink=None, sink_parts=False, window=None):
+                     bias=None, bias_grad=False, packed=None, dlse=None, sink=None, sink_parts=False, window=None,
+                     softcap=None):
     """The portable backward's launches, route and scratch for checked (kernel-side) tensors."""
     call = BackwardCall(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, bias, bias_grad, packed, dlse,
-                        sink, sink_parts, window)
+                        sink, sink_parts, window, softcap)
     scratch = ScratchSet(q.device)
     planned = portable_family.plan_backward(call, fake_target(capability, memory), registry, scratch)
     return PlannedBackward(planned.launches, planned.route, scratch.tensors)

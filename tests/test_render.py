@@ -66,7 +66,8 @@ def test_entry_point_is_the_descriptor_symbol(d):
 def test_traits_arguments_match_the_descriptor(d):
     args = traits_arguments(render(d))
     expected = [ELEMENTS[d.dtype], str(d.d_qk), str(d.d_v), str(d.tile_m), str(d.tile_n), str(d.warps),
-                str(d.stages), f"flashkiln::Causal::{d.causal}", str(d.bias != "none").lower(), str(d.window).lower()]
+                str(d.stages), f"flashkiln::Causal::{d.causal}", str(d.bias != "none").lower(), str(d.window).lower(),
+                str(d.softcap).lower()]
     assert args == expected
 
 
@@ -108,8 +109,8 @@ def test_params_abi_static_asserts_cover_every_field(d):
 
 def test_params_layout_has_the_expected_float_fields_and_size():
     layout = params_layout("fwd")
-    assert [f.name for f in layout.fields if f.is_float] == ["scale", "scale_log2"]
-    assert layout.size == 240  # 9 addresses, 15 strides, 9 ints, 2 floats, padding
+    assert [f.name for f in layout.fields if f.is_float] == ["scale", "scale_log2", "softcap_scale"]
+    assert layout.size == 240  # 9 addresses, 15 strides, 9 ints, 3 floats
 
 
 @pytest.mark.parametrize("d", DESCRIPTORS, ids=IDS)

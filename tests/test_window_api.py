@@ -15,24 +15,34 @@ from flashkiln.visibility import UNBOUNDED_REACH
 from test_registry import (all_variants, descriptor, fake_registry, planned_backward, planned_forward)
 
 
-@pytest.mark.parametrize("window_size, causal, shape, expected", [
-    (None, "none", (16, 16, False), ("none", None)),
-    ((-1, -1), "none", (16, 16, False), ("none", None)),  # bounds nothing
-    ((3, 5), "none", (16, 16, False), ("none", (3, 5))),
-    ([3, 5], "none", (16, 16, False), ("none", (3, 5))),
-    ((0, 0), "none", (8, 16, False), ("none", (0, 0))),
-    ((-1, 4), "none", (8, 16, False), ("none", (-1, 4))),
-    ((4, -1), "none", (8, 16, False), ("none", (4, -1))),
-    ((3, 5), "bottom_right", (8, 16, False), ("bottom_right", (3, 0))),  # causal: right = 0
-    ((-1, 5), "bottom_right", (8, 16, False), ("bottom_right", None)),  # the causal mask alone
-    ((3, -1), "top_left", (8, 16, False), ("top_left", (3, 0))),
-    ((3, -1), "top_left", (16, 16, False), ("bottom_right", (3, 0))),  # the alignments coincide
-    ((3, -1), "top_left", (16, 16, True), ("top_left", (3, 0))),  # per sequence they may not
-    ((UNBOUNDED_REACH, 2), "none", (8, 8, False), ("none", (-1, 2))),  # past every sequence: unbounded
-    ((UNBOUNDED_REACH, UNBOUNDED_REACH), "none", (8, 8, False), ("none", None)),
+@pytest.mark.parametrize("window_size, causal, expected", [
+    (None, "none", None),
+    ((-1, -1), "none", None),  # bounds nothing
+    ((3, 5), "none", (3, 5)),
+    ([3, 5], "none", (3, 5)),
+    ((0, 0), "none", (0, 0)),
+    ((-1, 4), "none", (-1, 4)),
+    ((4, -1), "none", (4, -1)),
+    ((3, 5), "bottom_right", (3, 0)),  # causal: right = 0
+    ((-1, 5), "bottom_right", None),  # the causal mask alone
+    ((3, -1), "top_left", (3, 0)),
+    ((UNBOUNDED_REACH, 2), "none", (-1, 2)),  # past every sequence: unbounded
+    ((UNBOUNDED_REACH, UNBOUNDED_REACH), "none", None),
 ])
-def test_window_normal_form(window_size, causal, shape, expected):
-    assert inputs.check_window(window_size, causal, *shape) == expected
+def test_window_normal_form(window_size, causal, expected):
+    assert inputs.check_window(window_size, causal) == expected
+
+
+@pytest.mark.parametrize("causal, modified, shape, expected", [
+    ("top_left", True, (16, 16, False), "bottom_right"),  # the alignments coincide
+    ("top_left", True, (8, 16, False), "top_left"),
+    ("top_left", True, (16, 16, True), "top_left"),  # per sequence they may not
+    ("top_left", False, (16, 16, False), "top_left"),  # no score modification: its own variant
+    ("none", True, (16, 16, False), "none"),
+    ("bottom_right", True, (8, 16, False), "bottom_right"),
+])
+def test_a_modified_call_runs_square_top_left_masks_as_bottom_right(causal, modified, shape, expected):
+    assert inputs.modified_causal(causal, modified, *shape) == expected
 
 
 @pytest.mark.parametrize("window_size, match", [

@@ -29,6 +29,8 @@ struct FwdParams {
   // A window variant's reach below and above each row's aligned key (common/visibility.hpp,
   // Window); negative: unbounded.
   int32_t window_left, window_right;
+  // A softcap variant's scale / cap (common/softcap.hpp; scale above is then the cap).
+  float softcap_scale;
 };
 
 // One block for every backward kernel (preprocess, main, postprocess); each reads what it needs.
@@ -64,6 +66,7 @@ struct BwdParams {
   float scale;
   float scale_log2;
   int32_t window_left, window_right;  // as in FwdParams
+  float softcap_scale;                // as in FwdParams
 };
 
 }  // namespace flashkiln

@@ -17,6 +17,7 @@
 #include <flashkiln/common/fragment.hpp>
 #include <flashkiln/common/math.hpp>
 #include <flashkiln/common/sequence.hpp>
+#include <flashkiln/common/softcap.hpp>
 #include <flashkiln/common/visibility.hpp>
 #include <flashkiln/hopper/bwd_params.hpp>
 #include <flashkiln/hopper/bwd_traits.hpp>
@@ -237,6 +238,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   const TileRange tiles = query_tiles<T>(p, s, n_block);
   const int key0 = n_block * T::kBlockN;
   [[maybe_unused]] const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores
+  [[maybe_unused]] const float inv_scale_log2 = 1.f / p.scale_log2;  // softcap_slope's
   // A packed batch's tiles at a sequence's end hold other tokens (the next sequence's, or any value
   // past the last one) where a dense batch's TMA loads zero-fill. Their P and dS are zero, but
   // wgmma would still multiply their values by those zeros (NaN stays NaN), so each warpgroup
@@ -342,6 +344,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     wgmma_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.stage), acc_s);
     wgmma_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.stage), acc_dp);
     warpgroup_wait<1>();  // S^T
+    if constexpr (T::kSoftcap) {
+      cap_scores(acc_s, p.softcap_scale);
+    }
     if constexpr (T::kBias) {
       const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias);
       if (p.bias_row_step) {
@@ -381,10 +386,14 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     if (whole_rows) {
       exact_deltas(row0, buffer);
     }
-    // dS^T = P^T (dP^T - delta).
+    // dS^T = P^T (dP^T - delta), times a softcap's slope (common/softcap.hpp).
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dp); ++i) {
-      acc_dp(i) = acc_s(i) * (acc_dp(i) - stats.delta[get<1>(cS(i))]);
+      const int row = get<1>(cS(i));
+      acc_dp(i) = acc_s(i) * (acc_dp(i) - stats.delta[row]);
+      if constexpr (T::kSoftcap) {
+        acc_dp(i) *= softcap_slope(acc_s(i), stats.lse_log2[row], inv_scale_log2, p.softcap_scale);
+      }
     }
     ds_regs = convert_fragment<Element>(acc_dp);
     wgmma_gemm<false>(mma_kv, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);

@@ -22,7 +22,7 @@ namespace flashkiln::hopper {
 using namespace cute;
 
 template <class Element_, int kDim_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_, bool kBias_,
-          bool kWindow_>
+          bool kWindow_, bool kSoftcap_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;  // d_qk == d_v
@@ -33,6 +33,8 @@ struct BwdTraits {
   static constexpr bool kBias = kBias_;
   // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
   static constexpr bool kWindow = kWindow_;
+  // Logit softcapping (common/softcap.hpp): its cap is the call's (params' softcap_scale).
+  static constexpr bool kSoftcap = kSoftcap_;
 
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;

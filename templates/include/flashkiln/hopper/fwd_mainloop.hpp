@@ -10,6 +10,7 @@
 #include <flashkiln/common/math.hpp>
 #include <flashkiln/common/online_softmax.hpp>
 #include <flashkiln/common/sequence.hpp>
+#include <flashkiln/common/softcap.hpp>
 #include <flashkiln/common/visibility.hpp>
 #include <flashkiln/hopper/fwd_epilogue.hpp>
 #include <flashkiln/hopper/fwd_params.hpp>
@@ -153,9 +154,9 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     int n_blocks;  // key tiles, from `first`
     int first;
   };
-  auto claimed = [&](int tile, WorkTile const& w) {
-    const TileRange keys = key_tiles<T>(p, w, w.row0);
-    return Claimed{tile, true, w, max(keys.end - keys.first, 0), keys.first};
+  auto claimed = [&](int tile, bool valid, WorkTile const& w) {
+    const TileRange keys = valid ? key_tiles<T>(p, w, w.row0) : TileRange{0, 0};
+    return Claimed{tile, valid, w, T::kWindow ? max(keys.end - keys.first, 0) : keys.end, keys.first};
   };
   auto claim = [&](int tile) {
     if constexpr (T::kPacked) {
@@ -164,15 +165,13 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       for (; sched.valid(tile); tile = sched.next(tile)) {
         const WorkTile w = in_sequence<T>(p, sched.decode(tile));
         if (w.row0 < w.seqlen_q) {
-          return claimed(tile, w);
+          return claimed(tile, true, w);
         }
       }
       return Claimed{tile, false, WorkTile{}, 0, 0};
     } else {
-      if (!sched.valid(tile)) {
-        return Claimed{tile, false, WorkTile{}, 0, 0};
-      }
-      return claimed(tile, in_sequence<T>(p, sched.decode(tile)));
+      const bool valid = sched.valid(tile);
+      return claimed(tile, valid, valid ? in_sequence<T>(p, sched.decode(tile)) : WorkTile{});
     }
   };
   // Whether the consumers have released the next Q slot (and its tile record), waiting for it
@@ -427,14 +426,17 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     warpgroup_wait<1>();
   };
   // Once S of key tile n_block is in acc_s, its K stage is free (but for the last key tile's where
-  // O is staged there) and the Q slot after the last; the stage's bias tile joins the scores
-  // unless it was S's initial value.
+  // O is staged there) and the Q slot after the last; a softcap caps the scores, then the stage's
+  // bias tile joins them unless it was S's initial value.
   auto s_done = [&](Tile const& t, int n_block) {
     if (T::kOwnO || n_block > 0) {
       Barrier::arrive(&ss.k_empty[kv.stage]);
     }
     if (n_block == 0) {
       Barrier::arrive(&ss.q_empty[t.q_slot]);
+    }
+    if constexpr (T::kSoftcap) {
+      cap_scores(acc_s, p.softcap_scale);
     }
     if constexpr (T::kBias && !T::kBiasFirst) {
       take_bias(cute::true_type{});

@@ -49,7 +49,9 @@ struct HopperFwdParams {
   // A window variant's reach below and above each row's aligned key (common/visibility.hpp,
   // Window); negative: unbounded.
   int32_t window_left, window_right;
-  int32_t _pad[14];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  // A softcap variant's scale / cap (common/softcap.hpp; scale above is then the cap).
+  float softcap_scale;
+  int32_t _pad[13];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

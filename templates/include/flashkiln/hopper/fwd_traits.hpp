@@ -15,7 +15,7 @@ namespace flashkiln::hopper {
 using namespace cute;
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_,
-          bool kBias_, bool kPacked_, bool kWindow_>
+          bool kBias_, bool kPacked_, bool kWindow_, bool kSoftcap_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -28,6 +28,8 @@ struct FwdTraits {
   static constexpr bool kPacked = kPacked_;
   // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
   static constexpr bool kWindow = kWindow_;
+  // Logit softcapping (common/softcap.hpp): its cap is the call's (params' softcap_scale).
+  static constexpr bool kSoftcap = kSoftcap_;
   static constexpr int kRecordInts = (kPacked ? 7 : 4) + (kWindow ? 1 : 0);  // fwd_mainloop.hpp, TileRecord
 
   // One producer warpgroup (a single thread issues the TMA loads), then one consumer warpgroup
@@ -64,6 +66,7 @@ struct FwdTraits {
   // (full bias) and +3-6% (shared) with three consumer warpgroups (d 64), which take no turns;
   // with two, whose S waits for its turn, 0% at d 128 and -6% at d 256 (docs/perf.md, v15).
   static constexpr bool kBiasFirst = kBias && !kPingPong;
+  static_assert(!(kSoftcap && kBiasFirst), "the softcap comes before the bias, which kBiasFirst adds before S");
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");

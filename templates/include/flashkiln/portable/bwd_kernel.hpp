@@ -14,6 +14,7 @@
 #include <flashkiln/common/masking.hpp>
 #include <flashkiln/common/math.hpp>
 #include <flashkiln/common/sequence.hpp>
+#include <flashkiln/common/softcap.hpp>
 #include <flashkiln/common/visibility.hpp>
 #include <flashkiln/params.hpp>
 #include <flashkiln/portable/bias.hpp>
@@ -202,6 +203,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
   Tensor tSsBias = thr_sdp.partition_C(sBias);
   const float inv_scale = 1.f / p.scale;
+  [[maybe_unused]] const float inv_scale_log2 = 1.f / p.scale_log2;  // softcap_slope's
   Tensor tdQgdQacc = thr_q.partition_C(gdQacc);  // (MMA, MMA_M, MMA_DQK, m)
 
   // This key tile's contribution dS K to the current query tile's dQ.
@@ -327,6 +329,9 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       clear(acc_dp);
       gemm_smem_smem(mma_sdp, acc_s, tSrQ, tSrK, at_offset(tSsQ, stage * T::kElemsQ), tSsK, copy_a_sdp,
                      copy_b_sdp, thr_copy_a_sdp, thr_copy_b_sdp);
+      if constexpr (T::kSoftcap) {
+        cap_scores(acc_s, p.softcap_scale);
+      }
       if constexpr (T::kBias) {
         add_bias(acc_s, at_offset(tSsBias, stage * T::kElemsBias), inv_scale);
       }
@@ -342,7 +347,14 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       // dSink asked for, also this thread's share of sum p_sink * P * dP. When the CTA holds every
       // key of its rows (one key tile), delta is their rowsum(P * dP) itself, from unrounded P and
       // dP: the preprocess's rowsum(dO * O) carries the rounding of the forward's O, which
-      // dominates dS = P (dP - delta) where P sits on few keys (there dP ~ delta).
+      // dominates dS = P (dP - delta) where P sits on few keys (there dP ~ delta). A softcap
+      // scales dS by its slope (common/softcap.hpp).
+      auto ds_of = [&](float prob, float dp_minus_delta, int r) {
+        if constexpr (T::kSoftcap) {
+          return prob * dp_minus_delta * softcap_slope(prob, lse_log2[r], inv_scale_log2, p.softcap_scale);
+        }
+        return prob * dp_minus_delta;
+      };
       auto probabilities_and_ds = [&](auto exact_sums) {
         if constexpr (!decltype(exact_sums)::value) {
           CUTE_UNROLL
@@ -351,7 +363,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
             for (int c = 0; c < size<1>(s); ++c) {
               const float prob = exp2f(fmaf(s(r, c), p.scale_log2, -lse_log2[r]));
               s(r, c) = prob;
-              dp(r, c) = prob * (dp(r, c) - row_delta[r]);
+              dp(r, c) = ds_of(prob, dp(r, c) - row_delta[r], r);
             }
           }
         } else {
@@ -389,7 +401,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
           for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
             for (int c = 0; c < size<1>(s); ++c) {
-              dp(r, c) = s(r, c) * (dp(r, c) - row_delta[r]);
+              dp(r, c) = ds_of(s(r, c), dp(r, c) - row_delta[r], r);
             }
           }
         }

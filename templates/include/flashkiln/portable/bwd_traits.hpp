@@ -25,7 +25,7 @@ constexpr int row_warps(int rows, int cols_a, int cols_b, int warps) {
 }
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
-          Causal kCausal_, bool kDeterministic_, bool kBias_, bool kWindow_>
+          Causal kCausal_, bool kDeterministic_, bool kBias_, bool kWindow_, bool kSoftcap_>
 struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -43,6 +43,8 @@ struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   static constexpr bool kBias = kBias_;
   // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
   static constexpr bool kWindow = kWindow_;
+  // Logit softcapping (common/softcap.hpp): its cap is the call's (params' softcap_scale).
+  static constexpr bool kSoftcap = kSoftcap_;
 
   static_assert(cute::is_same_v<Element, cutlass::half_t> || cute::is_same_v<Element, cutlass::bfloat16_t>);
   static_assert(kWarps == 4 || kWarps == 8, "backward warps must be 4 or 8");

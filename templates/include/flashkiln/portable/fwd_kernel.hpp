@@ -10,6 +10,7 @@
 #include <flashkiln/common/math.hpp>
 #include <flashkiln/common/online_softmax.hpp>
 #include <flashkiln/common/sequence.hpp>
+#include <flashkiln/common/softcap.hpp>
 #include <flashkiln/common/visibility.hpp>
 #include <flashkiln/params.hpp>
 #include <flashkiln/portable/bias.hpp>
@@ -166,6 +167,9 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
 
       gemm_smem_smem(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage * T::kElemsK), smem_copy_q,
                      smem_copy_k, thr_copy_q, thr_copy_k);
+      if constexpr (T::kSoftcap) {
+        cap_scores(acc_s, p.softcap_scale);
+      }
       if constexpr (T::kBias) {
         add_bias(acc_s, thr_mma.partition_C(make_tensor(make_smem_ptr(smem_bias), typename Bias::SmemLayout{})),
                  inv_scale);

@@ -14,7 +14,7 @@ namespace flashkiln::portable {
 using namespace cute;
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
-          Causal kCausal_, bool kBias_, bool kWindow_>
+          Causal kCausal_, bool kBias_, bool kWindow_, bool kSoftcap_>
 struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
@@ -30,6 +30,8 @@ struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   static constexpr bool kBias = kBias_;  // an additive score bias (bias.hpp), one tile buffer
   // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
   static constexpr bool kWindow = kWindow_;
+  // Logit softcapping (common/softcap.hpp): its cap is the call's (params' softcap_scale).
+  static constexpr bool kSoftcap = kSoftcap_;
 
   static_assert(cute::is_same_v<Element, cutlass::half_t> || cute::is_same_v<Element, cutlass::bfloat16_t>);
   static_assert(kStages == 1 || kStages == 2, "stages must be 1 or 2");
