@@ -150,10 +150,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                       for name, t in (("dq", dq), ("dk", dk), ("dv", dv)))
     inputs.check_qkv(q, k, v)
     shape = BatchShape.of(q, k, packed)
-    causal_mode, scale = inputs.check_causal_scale(causal, scale, q.shape[3])
-    window, softcap = inputs.check_window(window_size, causal_mode), inputs.check_softcap(softcap)
-    causal_mode = inputs.modified_causal(causal_mode, window is not None or softcap is not None, shape.seqlen_q,
-                                         shape.seqlen_k, packed is not None)
+    causal_mode, scale, window, softcap = inputs.check_scores(causal, scale, window_size, softcap, q.shape[3], shape)
     _check_backward_tensors(dout, q, out, lse, v.shape[3])
     if dlse is not None:
         dlse = _check_lse_gradient(dlse, lse)

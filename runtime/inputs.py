@@ -5,11 +5,16 @@ Every problem a caller can cause is an InvalidInputError raised here, before any
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
 import torch
 
 from .errors import InvalidInputError
 from .head_dims import MAX_HEAD_DIM
 from .visibility import UNBOUNDED_REACH
+
+if TYPE_CHECKING:
+    from .varlen import BatchShape  # varlen imports this module
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 CAUSAL_MODES = {None: "none", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -124,6 +129,17 @@ def check_window(window_size: object, causal: str) -> tuple[int, int] | None:
     if left < 0 and (right < 0 or causal != "none"):
         return None
     return left, right
+
+
+def check_scores(causal: str | None, scale: float | None, window_size: object, softcap: object, d_qk: int,
+                 shape: BatchShape) -> tuple[str, float, tuple[int, int] | None, float | None]:
+    """A call's score arguments, checked: (causal mode, scale, window, softcap), the mode as the
+    kernels run it (modified_causal)."""
+    causal_mode, scale = check_causal_scale(causal, scale, d_qk)
+    window, softcap = check_window(window_size, causal_mode), check_softcap(softcap)
+    causal_mode = modified_causal(causal_mode, window is not None or softcap is not None, shape.seqlen_q,
+                                  shape.seqlen_k, shape.packed is not None)
+    return causal_mode, scale, window, softcap
 
 
 def modified_causal(causal: str, modified: bool, seqlen_q: int, seqlen_k: int, packed: bool) -> str:

@@ -44,16 +44,23 @@ def visible(causal: str, sq: int, sk: int, window: tuple[int, int] | None = None
     return seen, MARGIN
 
 
+# Every causal mode, window and pair of lengths.
+EVERY_RULE = pytest.mark.parametrize("causal, sq, sk, window", [
+    (causal, sq, sk, window) for window in WINDOWS for causal in CAUSAL_MODES for sq, sk in SHAPES])
+
+
+def rule(causal: str, sq: int, sk: int, window: tuple[int, int] | None):
+    """The element rule's matrix, its row base, and the mirror's Visibility for one case."""
+    return (*visible(causal, sq, sk, window), visibility(causal, sq, sk, window))
+
+
 def any_seen(seen: np.ndarray, base: int, rows: range, keys: range) -> bool:
     return bool(seen[rows.start + base:rows.stop + base, keys.start:keys.stop].any())
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("causal", CAUSAL_MODES)
-@pytest.mark.parametrize("sq, sk", SHAPES)
+@EVERY_RULE
 def test_column_limits_hide_exactly_the_unseen_columns(causal, sq, sk, window):
-    seen, base = visible(causal, sq, sk, window)
-    v = visibility(causal, sq, sk, window)
+    seen, base, v = rule(causal, sq, sk, window)
     for col0 in sorted({0, 16, 64, 80, 112, 128} & set(range(sk))):
         cols = np.arange(192)
         for row in range(-20, sq + 20):
@@ -64,12 +71,9 @@ def test_column_limits_hide_exactly_the_unseen_columns(causal, sq, sk, window):
             assert np.array_equal((cols >= first) & (cols < limit), expected), (row, col0, first, limit)
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("causal", CAUSAL_MODES)
-@pytest.mark.parametrize("sq, sk", SHAPES)
+@EVERY_RULE
 def test_tile_rules_match_the_element_rule(causal, sq, sk, window):
-    seen, base = visible(causal, sq, sk, window)
-    v = visibility(causal, sq, sk, window)
+    seen, base, v = rule(causal, sq, sk, window)
     for tile_m, tile_n in TILES:
         n_tiles, m_tiles = ceil_div(sk, tile_n), ceil_div(sq, tile_m)
         key_tiles = [range(n * tile_n, min((n + 1) * tile_n, sk)) for n in range(n_tiles)]
@@ -100,9 +104,7 @@ def test_tile_rules_match_the_element_rule(causal, sq, sk, window):
             assert list(range(*got)) == expected, (n, tile_m, tile_n)
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("causal", CAUSAL_MODES)
-@pytest.mark.parametrize("sq, sk", SHAPES)
+@EVERY_RULE
 def test_key_and_query_tile_ranges_are_duals(causal, sq, sk, window):
     """The backward's key-tile CTAs visit query tile m iff its dQ kernel (or ordered dQ turn) counts them."""
     v = visibility(causal, sq, sk, window)

@@ -14,7 +14,7 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
-#include <flashkiln/common/visibility.hpp>
+#include <flashkiln/common/score_mods.hpp>
 #include <flashkiln/hopper/bwd_dq_tiles.hpp>
 
 namespace flashkiln::hopper {
@@ -23,18 +23,12 @@ using namespace cute;
 
 template <class Element_, int kDim_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_, bool kBias_,
           bool kWindow_, bool kSoftcap_>
-struct BwdTraits {
+struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   using Element = Element_;
   static constexpr int kDim = kDim_;  // d_qk == d_v
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr Causal kCausal = kCausal_;
-  static constexpr bool kBias = kBias_;
-  // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
-  static constexpr bool kWindow = kWindow_;
-  // Logit softcapping (common/softcap.hpp): its cap is the call's (params' softcap_scale).
-  static constexpr bool kSoftcap = kSoftcap_;
 
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -126,7 +120,7 @@ struct BwdTraits {
     uint64_t dq_full[kConsumerWarpgroups];   // the warpgroup's dQ part is staged in dq
     uint64_t dq_empty[kConsumerWarpgroups];  // its writer's bulk add has read it
     float sink_sums[kConsumerThreads / 32];  // dSink: each consumer warp's share of the CTA's sum
-    cute::conditional_t<kBias, BiasTiles, NoBias> bias;
+    cute::conditional_t<kBias_, BiasTiles, NoBias> bias;
   };
   static constexpr int kAlignSlack = 1024 - 16;  // the dynamic allocation starts 16-byte aligned
   static constexpr int kMaxSmemBytes = 232448;   // sm_90a's opt-in limit per block

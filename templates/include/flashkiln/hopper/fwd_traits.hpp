@@ -8,7 +8,7 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
-#include <flashkiln/common/visibility.hpp>
+#include <flashkiln/common/score_mods.hpp>
 
 namespace flashkiln::hopper {
 
@@ -16,21 +16,15 @@ using namespace cute;
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_,
           bool kBias_, bool kPacked_, bool kWindow_, bool kSoftcap_>
-struct FwdTraits {
+struct FwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
   static constexpr int kDimV = kDimV_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr Causal kCausal = kCausal_;
-  static constexpr bool kBias = kBias_;
   static constexpr bool kPacked = kPacked_;
-  // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
-  static constexpr bool kWindow = kWindow_;
-  // Logit softcapping (common/softcap.hpp): its cap is the call's (params' softcap_scale).
-  static constexpr bool kSoftcap = kSoftcap_;
-  static constexpr int kRecordInts = (kPacked ? 7 : 4) + (kWindow ? 1 : 0);  // fwd_mainloop.hpp, TileRecord
+  static constexpr int kRecordInts = (kPacked ? 7 : 4) + (kWindow_ ? 1 : 0);  // fwd_mainloop.hpp, TileRecord
 
   // One producer warpgroup (a single thread issues the TMA loads), then one consumer warpgroup
   // per 64 query rows of the tile.
@@ -55,7 +49,7 @@ struct FwdTraits {
   // and 128 x 80 (d 256: +1.5-2.5% at S 1-2k). At d 128 (128 x 160: 2 tiles in 5; 128 x 128:
   // every tile or none, by the rows' alignment) it measured 1% slower at S 1-2k (docs/perf.md,
   // v13). A warpgroup's last row is at most kBlockM - 64 above the tile's.
-  static constexpr bool kSkipHidden = kCausal != Causal::none && 2 * (kBlockM - 64) > kBlockN;
+  static constexpr bool kSkipHidden = kCausal_ != Causal::none && 2 * (kBlockM - 64) > kBlockN;
   static constexpr int kMaxSkipped = kSkipHidden ? (kBlockM - 64 + kBlockN - 1) / kBlockN : 0;
   // The online softmax rescales O only when a row maximum outgrows its reference by 2^8
   // (common/online_softmax.hpp): +1-2.5% at d_v 128 and 256; at d_v 64, with 32 accumulators
@@ -65,8 +59,8 @@ struct FwdTraits {
   // (kBiasFirst), or added once S has landed. Against the add, the initial value measured +1%
   // (full bias) and +3-6% (shared) with three consumer warpgroups (d 64), which take no turns;
   // with two, whose S waits for its turn, 0% at d 128 and -6% at d 256 (docs/perf.md, v15).
-  static constexpr bool kBiasFirst = kBias && !kPingPong;
-  static_assert(!(kSoftcap && kBiasFirst), "the softcap comes before the bias, which kBiasFirst adds before S");
+  static constexpr bool kBiasFirst = kBias_ && !kPingPong;
+  static_assert(!(kSoftcap_ && kBiasFirst), "the softcap comes before the bias, which kBiasFirst adds before S");
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");
@@ -77,7 +71,7 @@ struct FwdTraits {
   static_assert(kDimQK % kBoxCols == 0 && kDimV % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tile: wgmma N and the P V GEMM's k16 steps");
   static_assert(kStages >= 2, "at least a double-buffered K/V pipeline");
-  static_assert(!kBias || kBlockN % kBoxCols == 0, "bias tiles load in whole 64-key boxes");
+  static_assert(!kBias_ || kBlockN % kBoxCols == 0, "bias tiles load in whole 64-key boxes");
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns, 128-byte swizzle
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimQK>, Int<kStages>>{}));
@@ -138,7 +132,7 @@ struct FwdTraits {
     // The work tile of the slot's Q (fwd_mainloop.hpp, TileRecord), decoded by the producer (valid
     // once the slot's q_full completes).
     int tile[kQSlots][kRecordInts];
-    cute::conditional_t<kBias, BiasRing, NoBias> bias;
+    cute::conditional_t<kBias_, BiasRing, NoBias> bias;
   };
   template <int kQSlots_>
   struct StorageQKVO : StorageQKV<kQSlots_> {

@@ -6,7 +6,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
-#include <flashkiln/common/visibility.hpp>
+#include <flashkiln/common/score_mods.hpp>
 #include <flashkiln/portable/tile_traits.hpp>
 
 namespace flashkiln::portable {
@@ -26,7 +26,8 @@ constexpr int row_warps(int rows, int cols_a, int cols_b, int warps) {
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
           Causal kCausal_, bool kDeterministic_, bool kBias_, bool kWindow_, bool kSoftcap_>
-struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_> {
+struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_>,
+                   ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
   static constexpr int kDimV = kDimV_;
@@ -36,15 +37,8 @@ struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   static constexpr int kThreads = kWarps * 32;
   // Buffers of the Q and dO ring: with 2, the next query tile streams in during this one.
   static constexpr int kStages = kStages_;
-  static constexpr Causal kCausal = kCausal_;
   // dQ contributions of the key tiles are added in key-tile order (bitwise reproducible).
   static constexpr bool kDeterministic = kDeterministic_;
-  // An additive score bias (bias.hpp): its tile of each step rides in the Q/dO ring.
-  static constexpr bool kBias = kBias_;
-  // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
-  static constexpr bool kWindow = kWindow_;
-  // Logit softcapping (common/softcap.hpp): its cap is the call's (params' softcap_scale).
-  static constexpr bool kSoftcap = kSoftcap_;
 
   static_assert(cute::is_same_v<Element, cutlass::half_t> || cute::is_same_v<Element, cutlass::bfloat16_t>);
   static_assert(kWarps == 4 || kWarps == 8, "backward warps must be 4 or 8");
@@ -94,7 +88,7 @@ struct BwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   static constexpr int kElemsQ = kBlockM * kDimQK;
   static constexpr int kElemsdO = kBlockM * kDimV;
   static constexpr int kElemsPdS = kBlockM * kBlockN;
-  static constexpr int kElemsBias = kBias ? kBlockM * kBlockN : 0;
+  static constexpr int kElemsBias = kBias_ ? kBlockM * kBlockN : 0;  // a bias tile per Q/dO stage (bias.hpp)
   static constexpr int kSmemBytes = int(sizeof(Element)) * (kStages * (kElemsQ + kElemsdO + kElemsBias) +
                                                             kBlockN * (kDimQK + kDimV) + 2 * kElemsPdS);
 };

@@ -6,7 +6,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
-#include <flashkiln/common/visibility.hpp>
+#include <flashkiln/common/score_mods.hpp>
 #include <flashkiln/portable/tile_traits.hpp>
 
 namespace flashkiln::portable {
@@ -15,7 +15,8 @@ using namespace cute;
 
 template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
           Causal kCausal_, bool kBias_, bool kWindow_, bool kSoftcap_>
-struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_> {
+struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_, kBlockN_>,
+                   ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   using Element = Element_;
   static constexpr int kDimQK = kDimQK_;
   static constexpr int kDimV = kDimV_;
@@ -26,12 +27,6 @@ struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   // 1: one K and one V buffer, loads staggered (K of the next step streams in during softmax and
   // P V, V during Q K^T). 2: K and V double-buffered, a whole step ahead.
   static constexpr int kStages = kStages_;
-  static constexpr Causal kCausal = kCausal_;
-  static constexpr bool kBias = kBias_;  // an additive score bias (bias.hpp), one tile buffer
-  // A sliding window (common/visibility.hpp): its reach is the call's (params' window_left/right).
-  static constexpr bool kWindow = kWindow_;
-  // Logit softcapping (common/softcap.hpp): its cap is the call's (params' softcap_scale).
-  static constexpr bool kSoftcap = kSoftcap_;
 
   static_assert(cute::is_same_v<Element, cutlass::half_t> || cute::is_same_v<Element, cutlass::bfloat16_t>);
   static_assert(kStages == 1 || kStages == 2, "stages must be 1 or 2");
@@ -55,7 +50,7 @@ struct FwdTraits : TileCopies<Element_, 32 * kWarps_, kDimQK_, kDimV_, kBlockM_,
   static constexpr int kElemsQO = kBlockM * (kDimQK > kDimV ? kDimQK : kDimV);
   static constexpr int kElemsK = kBlockN * kDimQK;
   static constexpr int kElemsV = kBlockN * kDimV;
-  static constexpr int kElemsBias = kBias ? kBlockM * kBlockN : 0;
+  static constexpr int kElemsBias = kBias_ ? kBlockM * kBlockN : 0;  // one bias tile buffer (bias.hpp)
   static constexpr int kSmemBytes = int(sizeof(Element)) * (kElemsQO + kStages * (kElemsK + kElemsV) + kElemsBias);
 };
 
