@@ -84,9 +84,9 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
         **{name: tma.encode(t, rows) for name, (t, rows) in maps.items()},
         o_row_stride=out.stride(2), o_head_stride=out.stride(1),
         heads_q=hq, heads_kv=k.shape[1], **shape.params(), num_m_blocks=num_m_blocks, row_shift=row_shift,
-        **inputs.score_fields(call.scale, call.softcap), tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step, bias_head_step=bias_map.head_step,
-        bias_batch_step=bias_map.batch_step,
-        tile_order=tile_order(bias, bias_map, shape.batch, target.l2_bytes), **inputs.window_fields(call.window),
+        **inputs.score_fields(call.scale, call.softcap), **inputs.window_fields(call.window),
+        tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step, bias_head_step=bias_map.head_step,
+        bias_batch_step=bias_map.batch_step, tile_order=tile_order(bias, bias_map, shape.batch, target.l2_bytes),
     )
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_o": "o", **({"tma_bias": "bias"} if bias else {})}
     tensors = {**call.tensors(), **scratch.tensors}

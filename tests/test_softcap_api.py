@@ -83,4 +83,5 @@ def test_every_backward_launch_scales_by_the_cap(tmp_path):
                                softcap=25.0)
     assert planned.launches[1].entry.descriptor["softcap"]
     for launch in planned.launches:
-        assert (launch.params.scale, launch.params.softcap_scale) == (25.0, pytest.approx(0.1 / 25.0)), launch.entry.name
+        scaling = (launch.params.scale, launch.params.softcap_scale)
+        assert scaling == (25.0, pytest.approx(0.1 / 25.0)), launch.entry.name

@@ -86,7 +86,8 @@ template <int kBlockM, int kBlockN, Causal kCausal, bool kWindow>
 __host__ __device__ __forceinline__ constexpr bool needs_mask(Visibility<kCausal, kWindow> v, int row0, int col0) {
   const bool past_end = col0 + kBlockN > v.seqlen_k;
   const bool past_right_edge = Visibility<kCausal, kWindow>::kRightEdge && col0 + kBlockN - 1 > row0 + v.offset;
-  const bool before_left_edge = Visibility<kCausal, kWindow>::kLeftEdge && col0 < row0 + kBlockM - 1 + v.offset - v.span;
+  const bool before_left_edge =
+      Visibility<kCausal, kWindow>::kLeftEdge && col0 < row0 + kBlockM - 1 + v.offset - v.span;
   return past_end || past_right_edge || before_left_edge;
 }
 

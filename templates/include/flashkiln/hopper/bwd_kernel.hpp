@@ -68,7 +68,8 @@ __device__ __forceinline__ Visibility<T::kCausal, T::kWindow> visibility_of(Hopp
 // The query tiles of sequence s that see its key tile n_block.
 template <class T>
 __device__ __forceinline__ TileRange query_tiles(HopperBwdParams const& p, Sequence const& s, int n_block) {
-  return visiting_query_tiles<T::kBlockM, T::kBlockN>(visibility_of<T>(p, s), n_block, ceil_div(s.seqlen_q, T::kBlockM));
+  return visiting_query_tiles<T::kBlockM, T::kBlockN>(visibility_of<T>(p, s), n_block,
+                                                      ceil_div(s.seqlen_q, T::kBlockM));
 }
 
 // Token coordinates fit in int (runtime/varlen.py).

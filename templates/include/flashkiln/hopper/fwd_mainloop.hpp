@@ -340,7 +340,9 @@ __device__ __forceinline__ void consume(HopperFwdParams const& p, typename T::Sh
     int q_slot;
     bool valid;    // false: no tiles are left
     // The column of the tile's key tile n_block (counted from `first`).
-    __device__ __forceinline__ int col0(int n_block) const { return ((T::kWindow ? first : 0) + n_block) * T::kBlockN; }
+    __device__ __forceinline__ int col0(int n_block) const {
+      return ((T::kWindow ? first : 0) + n_block) * T::kBlockN;
+    }
   };
   // The next tile, once the producer names it (its Q has landed with the name), past the key
   // tiles this warpgroup skips.
