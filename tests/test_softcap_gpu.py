@@ -15,6 +15,7 @@ import flashkiln
 from backward_log import backward_plans
 from reference import attention_grad_reference, attention_reference, check_grads_against, fa_style_check, \
     repro_line, seed_of
+from test_varlen_gpu import _check_forward, _forward, _packed_case, _reference_grads
 from test_window_gpu import _canaries_intact, _framed_nan, _on_hopper, _tensors
 
 gpu = pytest.mark.gpu
@@ -99,45 +100,23 @@ def test_gqa_with_sinks(sq, sk, window):
 @gpu
 @pytest.mark.parametrize("backend", FAMILIES)
 def test_packed_batch(backend):
-    """A packed batch with an empty sequence: each sequence as the dense call of its own tokens."""
+    """A packed batch with empty sequences, GQA 4/2: each sequence as the dense call of its own
+    tokens, rows of tokens in no sequence O = 0 and zero gradients. The hopper forward has no packed
+    softcap variant: auto runs the forward on the portable family, `backend` the backward."""
     if backend == "hopper" and not _on_hopper():
         pytest.skip("the hopper backend runs on compute capability 9.0 only")
-    lengths = [(100, 130), (0, 7), (257, 200)]
-    gen = torch.Generator(device="cuda").manual_seed(seed_of("softcap-packed", backend))
-    cu_q = torch.tensor([0, *torch.tensor([a for a, _ in lengths]).cumsum(0).tolist()], dtype=torch.int32,
-                        device="cuda")
-    cu_k = torch.tensor([0, *torch.tensor([b for _, b in lengths]).cumsum(0).tolist()], dtype=torch.int32,
-                        device="cuda")
-    tq, tk = int(cu_q[-1]), int(cu_k[-1])
-    q = torch.randn(tq, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(tk, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    packed = flashkiln.PackedBatch(cu_q, cu_k, max(a for a, _ in lengths), max(b for _, b in lengths))
-    # The hopper forward has no packed softcap variant: auto runs it on the portable family.
-    out, lse = flashkiln.attention_forward(q, k, v, causal="bottom_right", softcap=6.0, packed=packed,
-                                           backend=None if backend == "hopper" else backend)
-    repro = _repro("test_packed_batch", backend=backend)
-    for b, (a, c) in enumerate(lengths):
-        if a == 0:
-            continue
-        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        dense = lambda t, s: t[s].transpose(0, 1)[None]  # noqa: E731
-        ref, low = (attention_reference(dense(q, rows), dense(k, keys), dense(v, keys), "bottom_right", None, dt,
-                                        softcap=6.0) for dt in (torch.float32, torch.bfloat16))
-        fa_style_check("out", dense(out, rows), ref.out, low.out, 2, f"{repro} sequence={b}")
-    dout = torch.randn_like(out)
+    seed = seed_of("softcap-packed", backend)
+    case = _packed_case(seed, "mixed", hq=4, hkv=2, dims=(64, 64))
+    repro = _repro("test_packed_batch", seed=seed, backend=backend)
+    out, lse = _forward(case, "bottom_right", softcap=6.0)
+    _check_forward(case, out, lse, "bottom_right", None, None, repro, softcap=6.0)
     with backward_plans() as plans:
-        dq, dk, dv = flashkiln.attention_backward(dout, q, k, v, out, lse, causal="bottom_right", softcap=6.0,
-                                                  packed=packed, backend=backend)
-    assert {p.family for p in plans} == {backend}, repro
-    for b, (a, c) in enumerate(lengths):
-        if a == 0:
-            continue
-        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        dense = lambda t, s: t[s].transpose(0, 1)[None]  # noqa: E731
-        g32, glp = (attention_grad_reference(dense(q, rows), dense(k, keys), dense(v, keys), dense(dout, rows),
-                                             "bottom_right", None, dt, softcap=6.0)
-                    for dt in (torch.float32, torch.bfloat16))
-        check_grads_against((dense(dq, rows), dense(dk, keys), dense(dv, keys)), g32, glp, f"{repro} sequence={b}")
+        grads = flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal="bottom_right",
+                                             softcap=6.0, packed=case.packed(), backend=backend)
+    assert {p.family for p in plans} == {backend}, f"planned {plans}\n{repro}"
+    assert case.canaries_intact(), f"canary overwritten\n{repro}"
+    check_grads_against(grads, *(_reference_grads(case, "bottom_right", None, None, t, softcap=6.0)
+                                 for t in (torch.float32, case.q.dtype)), repro)
 
 
 @gpu

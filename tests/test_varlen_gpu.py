@@ -109,9 +109,9 @@ def _sequence_bias(bias: torch.Tensor | None, b: int, lq: int, lk: int) -> torch
     return bias[min(b, bias.shape[0] - 1)][None, :, :lq, :lk]
 
 
-def _reference_forward(case: Packed, causal, bias, sink, dtype, window=None):
-    """out (total, H, d_v) and lse (H, total) of every sequence alone (with `window`, the reference's);
-    NaN rows past the last sequence."""
+def _reference_forward(case: Packed, causal, bias, sink, dtype, **mods):
+    """out (total, H, d_v) and lse (H, total) of every sequence alone (`mods`: the reference's window
+    and softcap); NaN rows past the last sequence."""
     out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"), device="cuda")
     lse = torch.full((case.q.shape[1], case.q.shape[0]), float("nan"), device="cuda")
     for b, (lq, lk) in enumerate(zip(case.lengths_q, case.lengths_k)):
@@ -119,16 +119,16 @@ def _reference_forward(case: Packed, causal, bias, sink, dtype, window=None):
             continue
         ref = attention_reference(case.sequence(case.q, b, False), case.sequence(case.k, b, True),
                                   case.sequence(case.v, b, True), causal, None, dtype,
-                                  bias=_sequence_bias(bias, b, lq, lk), sink=sink, window=window)
+                                  bias=_sequence_bias(bias, b, lq, lk), sink=sink, **mods)
         start = int(case.cu_q[b])
         out[start:start + lq] = ref.out[0].transpose(0, 1).float()
         lse[:, start:start + lq] = ref.lse[0]
     return out, lse
 
 
-def _reference_grads(case: Packed, causal, bias, sink, dtype) -> GradReference:
+def _reference_grads(case: Packed, causal, bias, sink, dtype, **mods) -> GradReference:
     """Per-token gradients of every sequence alone (zeros for tokens in no sequence); dbias in the
-    bias's shape; dsink summed over the sequences."""
+    bias's shape; dsink summed over the sequences (`mods`: the reference's window and softcap)."""
     dq = torch.zeros(case.q.shape, device="cuda")
     dk, dv = torch.zeros(case.k.shape, device="cuda"), torch.zeros(case.v.shape, device="cuda")
     dbias = None if bias is None else torch.zeros(bias.shape, device="cuda")
@@ -138,7 +138,7 @@ def _reference_grads(case: Packed, causal, bias, sink, dtype) -> GradReference:
             continue  # nothing to differentiate: zero gradients
         ref = attention_grad_reference(case.sequence(case.q, b, False), case.sequence(case.k, b, True),
                                        case.sequence(case.v, b, True), case.sequence(case.dout, b, False), causal,
-                                       None, dtype, bias=_sequence_bias(bias, b, lq, lk), sink=sink)
+                                       None, dtype, bias=_sequence_bias(bias, b, lq, lk), sink=sink, **mods)
         sq, sk = int(case.cu_q[b]), int(case.cu_k[b])
         dq[sq:sq + lq] = ref.dq[0].transpose(0, 1).float()
         dk[sk:sk + lk] = ref.dk[0].transpose(0, 1).float()
@@ -150,23 +150,23 @@ def _reference_grads(case: Packed, causal, bias, sink, dtype) -> GradReference:
     return GradReference(dq, dk, dv, dbias, dsink)
 
 
-def _check_forward(case: Packed, out, lse, causal, bias, sink, repro: str) -> None:
-    ref32 = _reference_forward(case, causal, bias, sink, torch.float32)
-    reflp = _reference_forward(case, causal, bias, sink, case.q.dtype)
+def _check_forward(case: Packed, out, lse, causal, bias, sink, repro: str, **mods) -> None:
+    ref32 = _reference_forward(case, causal, bias, sink, torch.float32, **mods)
+    reflp = _reference_forward(case, causal, bias, sink, case.q.dtype, **mods)
     inside = ~torch.isnan(ref32[1][0])  # query tokens of some sequence
     assert inside.sum() == sum(case.lengths_q)
     fa_style_check("out", out[inside], ref32[0][inside], reflp[0][inside], 2, repro)
     fa_style_check("lse", lse[:, inside], ref32[1][:, inside], reflp[1][:, inside], 2, repro)
 
 
-def _forward(case: Packed, causal, bias=None, sink=None, backend=None):
-    """attention_forward into NaN-filled out and lse: rows of tokens past the last sequence come back
-    as O = 0 and LSE = -inf."""
+def _forward(case: Packed, causal, bias=None, sink=None, backend=None, **mods):
+    """attention_forward into NaN-filled out and lse (`mods`: window_size, softcap): rows of tokens
+    past the last sequence come back as O = 0 and LSE = -inf."""
     out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"), device="cuda",
                      dtype=case.q.dtype)
     lse = torch.full((case.q.shape[1], case.q.shape[0]), float("nan"), device="cuda")
     flashkiln.attention_forward(case.q, case.k, case.v, causal=causal, bias=bias, sink=sink, packed=case.packed(),
-                                out=out, lse=lse, backend=backend)
+                                out=out, lse=lse, backend=backend, **mods)
     torch.cuda.synchronize()
     tail = slice(int(case.cu_q[-1]), None)
     assert (out[tail] == 0).all() and torch.isneginf(lse[:, tail]).all(), "rows past the last sequence: not O = 0, LSE = -inf"

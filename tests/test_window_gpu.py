@@ -24,10 +24,10 @@ import torch
 
 import flashkiln
 from backward_log import backward_plans
-from reference import (GRAD_FLOOR, GradReference, attention_grad_reference, attention_reference,
+from reference import (GRAD_FLOOR, attention_grad_reference, attention_reference,
                        check_grads_against, fa_style_check, repro_line, seed_of, visible_mask)
 from test_backward_gpu import _forced_route
-from test_varlen_gpu import Packed, _reference_forward, _token_tensor
+from test_varlen_gpu import Packed, _reference_forward, _reference_grads, _token_tensor
 
 gpu = pytest.mark.gpu
 _repro = partial(repro_line, "test_window_gpu.py")
@@ -476,23 +476,6 @@ def _packed(seed: int, lengths: str, hq: int, hkv: int, d: int, dtype: torch.dty
     return Packed(q, k, v, dout, cu(lengths_q), cu(lengths_k), lengths_q, lengths_k, storages)
 
 
-def _packed_grad_reference(case: Packed, causal, window, dtype) -> GradReference:
-    """Per-token gradients of every sequence alone, zeros for tokens in no sequence."""
-    dq = torch.zeros(case.q.shape, device="cuda")
-    dk, dv = torch.zeros(case.k.shape, device="cuda"), torch.zeros(case.v.shape, device="cuda")
-    for b, (lq, lk) in enumerate(zip(case.lengths_q, case.lengths_k)):
-        if lq == 0 or lk == 0:
-            continue
-        ref = attention_grad_reference(case.sequence(case.q, b, False), case.sequence(case.k, b, True),
-                                       case.sequence(case.v, b, True), case.sequence(case.dout, b, False), causal,
-                                       None, dtype, window=window)
-        sq, sk = int(case.cu_q[b]), int(case.cu_k[b])
-        dq[sq:sq + lq] = ref.dq[0].transpose(0, 1).float()
-        dk[sk:sk + lk] = ref.dk[0].transpose(0, 1).float()
-        dv[sk:sk + lk] = ref.dv[0].transpose(0, 1).float()
-    return GradReference(dq, dk, dv)
-
-
 @gpu
 @pytest.mark.parametrize("backend", FAMILIES)
 @pytest.mark.parametrize("causal", CAUSAL)
@@ -521,7 +504,7 @@ def test_packed_batches(lengths, d, dtype, window, causal, backend):
     assert (out[tail_q] == 0).all() and torch.isneginf(lse[:, tail_q]).all(), \
         f"rows past the last sequence: not O = 0, LSE = -inf\n{repro}"
     assert case.canaries_intact(), f"canary overwritten\n{repro}"
-    ref32, reflp = (_reference_forward(case, causal, None, None, t, window) for t in (torch.float32, dtype))
+    ref32, reflp = (_reference_forward(case, causal, None, None, t, window=window) for t in (torch.float32, dtype))
     inside = ~torch.isnan(ref32[1][0])
     assert inside.sum() == sum(case.lengths_q)
     fa_style_check("out", out[inside], ref32[0][inside], reflp[0][inside], 2, repro)
@@ -542,8 +525,8 @@ def test_packed_batches(lengths, d, dtype, window, causal, backend):
     assert (dq[tail_q] == 0).all() and (dk[tail_k] == 0).all() and (dv[tail_k] == 0).all(), \
         f"gradients of tokens in no sequence are not 0\n{repro}"
     assert (dq.transpose(0, 1)[empty] == 0).all(), f"dq rows of queries that see no key are not 0\n{repro}"
-    check_grads_against(grads, _packed_grad_reference(case, causal, window, torch.float32),
-                        _packed_grad_reference(case, causal, window, dtype), repro)
+    check_grads_against(grads, _reference_grads(case, causal, None, None, torch.float32, window=window),
+                        _reference_grads(case, causal, None, None, dtype, window=window), repro)
 
 
 @gpu
@@ -559,11 +542,13 @@ def test_varlen_attention_autograd(causal, window):
                                      window_size=window)
     # Tokens past the last sequence hold NaN inputs: they must not reach the loss.
     inside = slice(0, int(case.cu_q[-1]))
-    ref32, reflp = (_reference_forward(case, causal, None, None, t, window) for t in (torch.float32, torch.float16))
+    ref32, reflp = (_reference_forward(case, causal, None, None, t, window=window)
+                    for t in (torch.float32, torch.float16))
     fa_style_check("out", out.detach()[inside], ref32[0][inside], reflp[0][inside], 2, repro)
     (out[inside].float() * case.dout[inside].float()).sum().backward()
-    check_grads_against((q.grad, k.grad, v.grad), _packed_grad_reference(case, causal, window, torch.float32),
-                        _packed_grad_reference(case, causal, window, torch.float16), repro)
+    check_grads_against((q.grad, k.grad, v.grad),
+                        *(_reference_grads(case, causal, None, None, t, window=window)
+                          for t in (torch.float32, torch.float16)), repro)
 
 
 # -- typed errors -------------------------------------------------------------------------------
