@@ -3,10 +3,10 @@
 Forward (hopper/fwd_*.hpp): of a variant's several tunings it takes the one flashkiln.tile_choice
 estimates fastest for the call's shape. Backward (hopper/bwd_*.hpp): the portable family's
 preprocess (delta, the dQ accumulator zeroed), the main kernel (a CTA per key tile and query
-head), then its own postprocess; dense and packed batches, dense ones with or without an
-additive bias (dBias of a key-varying bias, and a bias on a packed batch, plan on the portable
-family: flashkiln.families falls back where this planner refuses). One main kernel serves deterministic calls too: given semaphores it adds dQ in
-a fixed key-tile order.
+head), then its own postprocess; dense and packed batches, with or without an additive bias
+(dBias of a key-varying bias plans on the portable family: flashkiln.families falls back where
+this planner refuses). One main kernel serves deterministic calls too: given semaphores it adds
+dQ in a fixed key-tile order.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def backward_request(call: BackwardCall) -> dict:
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
-    lacks (dBias of a bias that varies along the keys, a bias on a packed batch, a forced dQ route
+    lacks (dBias of a bias that varies along the keys, a forced dQ route
     other than the call's atomic or ordered one) and where TMA cannot address the tensors. A deterministic call, and a
     biased one, takes the ordered route: the same kernel, given dq_semaphore. dBias of a
     key-constant bias has a closed form (flashkiln.bias) from delta and dsink_parts.
@@ -121,10 +121,6 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     if call.bias_grad and not bias.key_constant:
         raise UnsupportedError("the hopper backward has no dBias of a bias that varies along the keys yet: "
                                "backend='portable' runs the call")
-    if bias is not None and call.packed is not None:
-        # The kernel reads a packed batch's bias per sequence, but no GPU test has checked it yet.
-        raise UnsupportedError("the hopper backward takes no bias on packed batches yet: backend='portable' runs "
-                               "the call")
     deterministic = call.ordered
     route = dq_routes.fallback_route(deterministic)
     forced = dq_routes.forced_route(deterministic)

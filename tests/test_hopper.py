@@ -351,15 +351,6 @@ def test_the_hopper_backward_refuses_dbias_of_a_key_varying_bias_by_name():
         _plan_hopper_backward(call)
 
 
-def test_the_hopper_backward_refuses_a_bias_on_a_packed_batch():
-    from flashkiln.varlen import PackedBatch
-
-    cu = torch.tensor([0, 64], dtype=torch.int32)
-    call = _backward_call(bias_shape=(1, 2, 64, 64), packed=PackedBatch(cu, cu, 64, 64))
-    with pytest.raises(UnsupportedError, match="no bias on packed batches"):
-        _plan_hopper_backward(call)
-
-
 def test_a_biased_hopper_backward_asks_for_the_bias_variant_and_orders_dq(monkeypatch):
     from flashkiln.dq_routes import ROUTE_ENV
 

@@ -8,6 +8,7 @@ The forwards and backwards run on both families (the hopper one on compute capab
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import flashkiln
+from backward_log import backward_plans
 from flashkiln.dq_routes import ROUTES
 from reference import (GradReference, attention_grad_reference, attention_reference, check_grads_against,
                        fa_style_check, repro_line, seed_of)
@@ -289,6 +291,42 @@ def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape, backend):
             assert torch.equal(a, b), f"{name} differs between runs\n{repro}"
     ref32 = _reference_grads(case, causal, bias, sink, torch.float32)
     reflp = _reference_grads(case, causal, bias, sink, case.q.dtype)
+    check_grads_against(runs[0], ref32, reflp, repro)
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=["d64", "d128"])
+@pytest.mark.parametrize("bias_shape", ["full", "heads", "batch", "key-constant"])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_hopper_backward_with_a_bias_on_packed_batches(causal, bias_shape, dims):
+    """The hopper backward reads a packed batch's bias per sequence (its rows and keys from the
+    sequence's corner, its batch coordinate the sequence's index): forced, with GQA and sinks,
+    against every sequence alone; dBias where it is key-constant (closed form), bitwise over runs."""
+    _skip_unless_runs("hopper")
+    seed = seed_of("varlen-hopper-bias", causal, bias_shape, dims)
+    case = _packed_case(seed, "mixed", hq=6, hkv=2, dims=dims)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    if bias_shape == "key-constant":
+        bias = torch.randn(len(case.lengths_q), case.q.shape[1], case.max_q, 1, device="cuda",
+                           dtype=case.q.dtype, generator=gen)
+    else:
+        bias = _bias_of(case, bias_shape, gen)
+    sink = torch.linspace(-2.0, 3.0, case.q.shape[1], device="cuda")
+    repro = _repro("test_hopper_backward_with_a_bias_on_packed_batches", causal=causal, bias_shape=bias_shape,
+                   dims=dims)
+    out, lse = _forward(case, causal, bias, sink)
+    bias_grad = bias_shape == "key-constant"
+    with backward_plans() as plans:
+        runs = [flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal, bias=bias,
+                                             bias_grad=bias_grad, sink=sink, sink_grad=True, packed=case.packed(),
+                                             backend="hopper") for _ in range(3)]
+    assert {(p.family, p.route) for p in plans} == {("hopper", "ordered")}, f"planned {plans}\n{repro}"
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run)), f"gradients differ between runs\n{repro}"
+    assert case.canaries_intact(), f"canary overwritten\n{repro}"
+    ref32 = _reference_grads(case, causal, bias, sink, torch.float32)
+    reflp = _reference_grads(case, causal, bias, sink, case.q.dtype)
+    if not bias_grad:
+        ref32, reflp = (dataclasses.replace(r, dbias=None) for r in (ref32, reflp))
     check_grads_against(runs[0], ref32, reflp, repro)
 
 
