@@ -9,7 +9,7 @@ A spec file (specs/*.yaml) names a family, its tuning table and groups of functi
         arch: [sm_80, sm_90a]
         dtype: [fp16, bf16]
         head_dims: [64, 128, [192, 128]]   # d, or [d_qk, d_v]
-        causal: [none, top_left, bottom_right]
+        causal: [none, bottom_right]
         bias: [none]                        # optional, default [none]
         deterministic: [false]              # optional, default [false]
         packed: [false]                     # optional, default [false]: a kernel for packed batches

@@ -150,7 +150,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                       for name, t in (("dq", dq), ("dk", dk), ("dv", dv)))
     inputs.check_qkv(q, k, v)
     shape = BatchShape.of(q, k, packed)
-    causal_mode, scale, window, softcap = inputs.check_scores(causal, scale, window_size, softcap, q.shape[3], shape)
+    causal_mode, scale, window, softcap = inputs.check_scores(causal, scale, window_size, softcap, q.shape[3])
     _check_backward_tensors(dout, q, out, lse, v.shape[3])
     if dlse is not None:
         dlse = _check_lse_gradient(dlse, lse)

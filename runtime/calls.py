@@ -58,7 +58,7 @@ class ForwardCall:
     def request(self, family: str) -> dict:
         """The functional fields (all but arch) of the forward kernel this call needs of `family`."""
         return descriptor.request(kernel="fwd", family=family, dtype=inputs.DTYPES[self.q.dtype], d_qk=self.q.shape[3],
-                                  d_v=self.v.shape[3], causal=self.causal,
+                                  d_v=self.v.shape[3], causal=descriptor.kernel_causal(self.causal),
                                   bias="none" if self.bias is None else "additive", packed=self.packed is not None,
                                   window=self.window is not None, softcap=self.softcap is not None)
 
@@ -116,6 +116,8 @@ class BackwardCall:
             fields.setdefault("window", self.window is not None)
         if kernel in SCORE_KERNELS:
             fields.setdefault("softcap", self.softcap is not None)
+        if "causal" in fields:
+            fields["causal"] = descriptor.kernel_causal(fields["causal"])
         return descriptor.request(kernel=kernel, family=family, dtype=inputs.DTYPES[self.q.dtype],
                                   d_qk=self.q.shape[3], d_v=self.v.shape[3], **fields)
 

@@ -47,7 +47,7 @@ def _flag_tag(tag: str) -> Callable[[bool], str]:
     return lambda on: tag if on else ""
 
 
-_CAUSAL_TAGS = {"none": "", "top_left": "causal-tl", "bottom_right": "causal-br"}
+_CAUSAL_TAGS = {"none": "", "bottom_right": "causal-br"}
 HEAD_DIMS = tuple(range(32, 257, 32))
 
 AXES: tuple[Axis, ...] = (
@@ -57,7 +57,10 @@ AXES: tuple[Axis, ...] = (
     Axis("dtype", ("fp16", "bf16"), per_entry=True, spec_key="dtype"),
     Axis("d_qk", HEAD_DIMS, tag=lambda d: f"d{d}", spec_key="head_dims"),
     Axis("d_v", HEAD_DIMS, tag=lambda d: "", spec_key="head_dims"),  # tagged with d_qk: d_name()
-    Axis("causal", ("none", "top_left", "bottom_right"), default="none", per_entry=True, tag=_CAUSAL_TAGS.get,
+    # A causal mask. Its alignment (top-left or bottom-right) is a run-time value, so that one kernel
+    # serves both modes of a call (kernel_causal); the kernel keeps the name bottom_right, and so
+    # its hash.
+    Axis("causal", ("none", "bottom_right"), default="none", per_entry=True, tag=_CAUSAL_TAGS.get,
          spec_key="causal"),
     Axis("bias", ("none", "additive"), default="none", per_entry=True,
          tag=lambda mode: "" if mode == "none" else f"bias-{mode}", spec_key="bias", spec_required=False),
@@ -83,6 +86,12 @@ ADDED_LATER = {a.name: a.default for a in AXES if a.omit_at_default}
 # The domains under their usual names.
 KERNELS, FAMILIES, DTYPES = AXIS["kernel"].domain, AXIS["family"].domain, AXIS["dtype"].domain
 CAUSAL_MODES, BIAS_MODES = AXIS["causal"].domain, AXIS["bias"].domain
+
+
+def kernel_causal(mode: str) -> str:
+    """The causal axis value of the kernel that runs a call's causal mode (none, top_left or
+    bottom_right): the causal kernels take the alignment at run time (common/visibility.hpp)."""
+    return "none" if mode == "none" else "bottom_right"
 
 
 def dims_tag(d_qk: int, d_v: int) -> str:

@@ -103,7 +103,7 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
         q, k, v = (as_batched(t) for t in (q, k, v))
     inputs.check_qkv(q, k, v)
     shape = BatchShape.of(q, k, packed)
-    causal_mode, scale, window, softcap = inputs.check_scores(causal, scale, window_size, softcap, q.shape[3], shape)
+    causal_mode, scale, window, softcap = inputs.check_scores(causal, scale, window_size, softcap, q.shape[3])
     scores = shape.scores(q.shape[1])
     kernel_bias = None if bias is None else prepare_bias(bias, scores, q)
     kernel_sink = None if sink is None else prepare_sink(sink, q)

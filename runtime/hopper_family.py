@@ -84,7 +84,7 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
         **{name: tma.encode(t, rows) for name, (t, rows) in maps.items()},
         o_row_stride=out.stride(2), o_head_stride=out.stride(1),
         heads_q=hq, heads_kv=k.shape[1], **shape.params(), num_m_blocks=num_m_blocks, row_shift=row_shift,
-        **inputs.score_fields(call.scale, call.softcap), **inputs.window_fields(call.window),
+        **inputs.score_fields(call.scale, call.softcap), **inputs.reach_fields(call.window, call.causal),
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step, bias_head_step=bias_map.head_step,
         bias_batch_step=bias_map.batch_step, tile_order=tile_order(bias, bias_map, shape.batch, target.l2_bytes),
     )
@@ -161,16 +161,16 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     else:
         scratch.absent("dk_accum")
         scratch.absent("dv_accum")
-    scores = inputs.score_fields(call.scale, call.softcap)
+    scores = {**inputs.score_fields(call.scale, call.softcap), **inputs.reach_fields(call.window, call.causal)}
     rows = BwdParams(
         **inputs.stride_fields("o", call.out), **inputs.stride_fields("do", call.dout),
         **inputs.stride_fields("dq", call.dq), heads_q=hq, heads_kv=hkv, **shape.params(),
-        seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows, **scores, **inputs.window_fields(call.window))
+        seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows, **scores)
     params = HopperBwdParams(
         **encoded, **inputs.stride_fields("dk", call.dk), **inputs.stride_fields("dv", call.dv),
         dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), **scores,
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step,
-        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step, **inputs.window_fields(call.window))
+        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step)
     tensors = {**call.tensors(), **scratch.tensors}
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {})}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())

@@ -5,16 +5,12 @@ Every problem a caller can cause is an InvalidInputError raised here, before any
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import InvalidInputError
 from .head_dims import MAX_HEAD_DIM
 from .visibility import UNBOUNDED_REACH
-
-if TYPE_CHECKING:
-    from .varlen import BatchShape  # varlen imports this module
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 CAUSAL_MODES = {None: "none", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -131,24 +127,11 @@ def check_window(window_size: object, causal: str) -> tuple[int, int] | None:
     return left, right
 
 
-def check_scores(causal: str | None, scale: float | None, window_size: object, softcap: object, d_qk: int,
-                 shape: BatchShape) -> tuple[str, float, tuple[int, int] | None, float | None]:
-    """A call's score arguments, checked: (causal mode, scale, window, softcap), the mode as the
-    kernels run it (modified_causal)."""
+def check_scores(causal: str | None, scale: float | None, window_size: object, softcap: object,
+                 d_qk: int) -> tuple[str, float, tuple[int, int] | None, float | None]:
+    """A call's score arguments, checked: (causal mode, scale, window, softcap)."""
     causal_mode, scale = check_causal_scale(causal, scale, d_qk)
-    window, softcap = check_window(window_size, causal_mode), check_softcap(softcap)
-    causal_mode = modified_causal(causal_mode, window is not None or softcap is not None, shape.seqlen_q,
-                                  shape.seqlen_k, shape.packed is not None)
-    return causal_mode, scale, window, softcap
-
-
-def modified_causal(causal: str, modified: bool, seqlen_q: int, seqlen_k: int, packed: bool) -> str:
-    """The causal mode of a call with a score modification (a window or a softcap): on a dense
-    batch with S_q == S_k the two alignments coincide, and top_left runs as bottom_right, the mode
-    the specs generate those variants for."""
-    if modified and causal == "top_left" and not packed and seqlen_q == seqlen_k:
-        return "bottom_right"
-    return causal
+    return causal_mode, scale, check_window(window_size, causal_mode), check_softcap(softcap)
 
 
 def window_pair(window_size: object) -> tuple[int, int]:
@@ -184,10 +167,11 @@ def score_fields(scale: float, softcap: float | None) -> dict[str, float]:
     return {"scale": softcap, "scale_log2": softcap * math.log2(math.e), "softcap_scale": scale / softcap}
 
 
-def window_fields(window: tuple[int, int] | None) -> dict[str, int]:
-    """A parameter block's window fields (-1, -1: none)."""
+def reach_fields(window: tuple[int, int] | None, causal: str) -> dict[str, int]:
+    """A parameter block's reach (common/visibility.hpp, Reach): the window ((-1, -1): none), and
+    the alignment, which the causal kernels take at run time (descriptor.kernel_causal)."""
     left, right = window or (-1, -1)
-    return {"window_left": left, "window_right": right}
+    return {"window_left": left, "window_right": right, "top_left": int(causal == "top_left")}
 
 
 def check_tensor(name: str, t: object) -> None:

@@ -64,7 +64,7 @@ class FwdParams(ctypes.Structure):
         ("total_k", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
-        *_int32("window_left", "window_right"),
+        *_int32("window_left", "window_right", "top_left"),
         ("softcap_scale", ctypes.c_float),
     ]
 
@@ -82,7 +82,7 @@ class BwdParams(ctypes.Structure):
         ("seqlen_q_rounded", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
-        *_int32("window_left", "window_right"),
+        *_int32("window_left", "window_right", "top_left"),
         ("softcap_scale", ctypes.c_float),
     ]
 
@@ -122,9 +122,9 @@ class HopperFwdParams(ctypes.Structure):
         ("bias_head_step", ctypes.c_int32),
         ("bias_batch_step", ctypes.c_int32),
         ("tile_order", ctypes.c_int32),
-        *_int32("window_left", "window_right"),
+        *_int32("window_left", "window_right", "top_left"),
         ("softcap_scale", ctypes.c_float),
-        ("_pad", ctypes.c_int32 * 13),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("_pad", ctypes.c_int32 * 12),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 
@@ -145,9 +145,10 @@ class HopperBwdParams(ctypes.Structure):
         *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "total_q", "total_k"),
         ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
-        *_int32("bias_row_step", "bias_head_step", "bias_batch_step", "window_left", "window_right"),
+        *_int32("bias_row_step", "bias_head_step", "bias_batch_step", "window_left", "window_right",
+                "top_left"),
         ("softcap_scale", ctypes.c_float),
-        ("_pad", ctypes.c_int32 * 9),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("_pad", ctypes.c_int32 * 8),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

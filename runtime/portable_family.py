@@ -41,7 +41,7 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
         **inputs.stride_fields("o", out), **(call.bias.stride_fields() if call.bias is not None else {}),
         heads_q=q.shape[1], heads_kv=k.shape[1], **shape.params(), **inputs.score_fields(call.scale, call.softcap),
-        **inputs.window_fields(call.window),
+        **inputs.reach_fields(call.window, call.causal),
     )
     grid = (ceil_div(shape.seqlen_q, entry.descriptor["tile_m"]), q.shape[1], shape.batch)
     return [KernelLaunch.planned(entry, grid, params, call.tensors())]
@@ -111,7 +111,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         **inputs.stride_fields("dq", call.dq), **inputs.stride_fields("dk", call.dk),
         **inputs.stride_fields("dv", call.dv),
         heads_q=hq, heads_kv=hkv, **shape.params(), seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows,
-        **inputs.score_fields(call.scale, call.softcap), **inputs.window_fields(call.window),
+        **inputs.score_fields(call.scale, call.softcap), **inputs.reach_fields(call.window, call.causal),
     )
     tensors = {**call.tensors(), **scratch.tensors}
     if dq_kernel is not None:

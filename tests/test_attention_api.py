@@ -19,7 +19,7 @@ def registry(tmp_path):
     variants = all_variants(archs=("sm_80", "sm_90a"), dims=(64, 128))
     # A pair of head dims with its own tile_m, to see the grid follow the chosen entry.
     variants += [descriptor(arch="sm_80", dtype="fp16", d=192, d_v=128, causal=c, tile_m=64)
-                 for c in ("none", "top_left", "bottom_right")]
+                 for c in ("none", "bottom_right")]
     reg, driver = fake_registry(tmp_path, variants)
     reg.fake_driver = driver
     return reg
@@ -227,12 +227,16 @@ def test_plan_passes_strides_of_a_bshd_tensor_through(registry):
 @pytest.mark.parametrize("capability, arch", [((9, 0), "sm_90a"), ((8, 0), "sm_80"), ((8, 6), "sm_80")])
 def test_plan_picks_the_entry_for_the_causal_mode(registry, causal, capability, arch):
     launch, _, _ = plan(registry, *qkv(d=64), causal=causal, capability=capability)
-    assert launch.entry.variant == descriptor(arch=arch, dtype="fp16", d=64, causal=causal)
+    # One causal kernel serves both alignments: the call's is its parameter block's top_left.
+    kernel_causal = "none" if causal == "none" else "bottom_right"
+    assert launch.entry.variant == descriptor(arch=arch, dtype="fp16", d=64, causal=kernel_causal)
+    assert launch.params.top_left == (causal == "top_left")
 
 
 def test_plan_uses_the_entry_tile_m_and_distinct_head_dims(registry):
     launch, _, _ = plan(registry, *qkv(sq=130, d=192, d_v=128), causal="top_left", capability=(8, 0))
-    assert launch.entry.variant == descriptor(arch="sm_80", dtype="fp16", d=192, d_v=128, causal="top_left", tile_m=64)
+    assert launch.entry.variant == descriptor(arch="sm_80", dtype="fp16", d=192, d_v=128, causal="bottom_right",
+                                              tile_m=64)
     assert launch.grid == (3, 4, 2)  # ceil(130 / 64)
 
 

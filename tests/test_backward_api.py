@@ -25,7 +25,7 @@ def bwd_descriptor(kernel: str, causal="none", deterministic=False, d=128, tiles
                              warps=warps, stages=stages)
 
 
-CAUSAL = ("none", "top_left", "bottom_right")
+CAUSAL = ("none", "bottom_right")  # the kernels' causal modes (descriptor.kernel_causal)
 
 
 H200_MEMORY = 141 << 30

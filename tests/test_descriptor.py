@@ -35,10 +35,10 @@ GOLDEN = [
         "fwd_portable_sm90a_bf16_d128_causal-br_237182ee",
     ),
     (
-        dict(kernel="fwd", family="portable", arch="sm_80", dtype="fp16", d_qk=192, d_v=128, causal="top_left",
+        dict(kernel="fwd", family="portable", arch="sm_80", dtype="fp16", d_qk=192, d_v=128, causal="bottom_right",
              bias="none", deterministic=False, tile_m=64, tile_n=64, warps=4, stages=2),
-        "1e008d985cac4158",
-        "fwd_portable_sm80_fp16_d192x128_causal-tl_1e008d98",
+        "0b6555c676b913a1",
+        "fwd_portable_sm80_fp16_d192x128_causal-br_0b6555c6",
     ),
     (
         dict(kernel="fwd", family="portable", arch="sm_86", dtype="fp16", d_qk=64, d_v=64, causal="none",
@@ -47,10 +47,10 @@ GOLDEN = [
         "fwd_portable_sm86_fp16_d64_1eab1b25",
     ),
     (
-        dict(kernel="fwd", family="hopper", arch="sm_90a", dtype="bf16", d_qk=128, d_v=128, causal="top_left",
+        dict(kernel="fwd", family="hopper", arch="sm_90a", dtype="bf16", d_qk=128, d_v=128, causal="bottom_right",
              bias="none", deterministic=False, tile_m=128, tile_n=128, warps=12, stages=2, packed=True),
-        "a2fe70ead48b0144",
-        "fwd_hopper_sm90a_bf16_d128_causal-tl_packed_a2fe70ea",
+        "e38a77c7694ee51d",
+        "fwd_hopper_sm90a_bf16_d128_causal-br_packed_e38a77c7",
     ),
 ]
 
@@ -176,7 +176,7 @@ def test_hash_is_16_hex_digits():
 
 # -- names and symbols ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("causal, tag", [("none", ""), ("top_left", "_causal-tl"), ("bottom_right", "_causal-br")])
+@pytest.mark.parametrize("causal, tag", [("none", ""), ("bottom_right", "_causal-br")])
 def test_name_format(causal, tag):
     d = make(causal=causal)
     assert d.name == f"fwd_portable_sm90a_bf16_d128{tag}_{d.hash[:8]}"

@@ -37,7 +37,7 @@ def test_default_hopper_specs_cover_the_forward_contract():
                 if v.descriptor.family == "hopper" and v.relative_speed == 1 and v.descriptor.kernel == "fwd"]
     assert {d.arch for d in variants} == {"sm_90a"}
     assert {(d.d_qk, d.d_v) for d in variants} == {(64, 64), (128, 128), (192, 128), (256, 256)}
-    assert {d.causal for d in variants} == {"none", "top_left", "bottom_right"}
+    assert {d.causal for d in variants} == {"none", "bottom_right"}  # bottom_right runs top-left calls too
     assert {d.dtype for d in variants} == {"fp16", "bf16"}
     assert all(not HOPPER.functional_errors(d) and not HOPPER.tuning_errors(d) for d in variants)
 
@@ -47,7 +47,7 @@ def test_default_hopper_specs_cover_the_backward_contract():
                 if v.descriptor.family == "hopper" and v.descriptor.kernel != "fwd"]
     main = [d for d in variants if d.kernel == "bwd"]
     assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (128, 128)}
-    assert {d.causal for d in main} == {"none", "top_left", "bottom_right"}
+    assert {d.causal for d in main} == {"none", "bottom_right"}
     assert {d.bias for d in main} == {"none", "additive"}
     assert not any(d.deterministic or d.packed for d in main)  # set at run time
     assert {d.dtype for d in main} == {"fp16", "bf16"}
@@ -61,7 +61,7 @@ def test_default_hopper_specs_cover_the_backward_contract():
     ({"kernel": "bwd", "packed": True, "tile_m": 64}, "sequence bounds at run time"),
     ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64}, "head dims 64 and 128"),
     ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
-    ({"kernel": "bwd_post", "causal": "top_left", "tile_m": 64}, "does not mask"),
+    ({"kernel": "bwd_post", "causal": "bottom_right", "tile_m": 64}, "does not mask"),
     ({"kernel": "bwd_pre"}, "the hopper family has only"),
     ({"arch": "sm_80"}, "sm_90a only"),
     ({"d_qk": 96, "d_v": 96}, "multiple of 64"),
@@ -367,7 +367,7 @@ def test_one_hopper_backward_kernel_serves_deterministic_calls():
     call = _backward_call("top_left", deterministic=True)
     hopper_request = families.FAMILIES["hopper"].request("backward", call)
     assert hopper_request == _backward_call("top_left").request("hopper")
-    assert hopper_request["deterministic"] is False and hopper_request["causal"] == "top_left"
+    assert hopper_request["deterministic"] is False and hopper_request["causal"] == "bottom_right"
     assert families.FAMILIES["portable"].request("backward", call)["deterministic"] is True
 
 

@@ -84,27 +84,28 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_480_unique_variants():
+def test_default_specs_expand_to_360_unique_variants():
     variants = load_variants(REPO / "specs")
-    # portable: fwd 36 (both archs) + 12 (sm_90a, d 96 and 192/128) + 30 (sm_90a, bias) + 18 (sm_80,
-    # bias) + 8 (window) + 8 (softcap, bf16, with and without a window), bwd 60 + 30 (deterministic,
-    # bias) + 16 (window) + 8 (softcap), bwd_pre and bwd_post 10 each, bwd_dq 30; hopper: fwd 24 + 12
-    # (second tunings of d 64 and 128) + 24 (bias) + 16 (window, both tunings), each dense and
-    # packed, + 8 (softcap, dense, one tuning), bwd 12 + 12 (bias) + 8 (window) + 8 (softcap) and
+    # Two causal modes (none, and bottom_right, which runs top-left calls too). portable: fwd 24
+    # (both archs) + 8 (sm_90a, d 96 and 192/128) + 20 (sm_90a, bias) + 12 (sm_80, bias) + 8
+    # (window) + 8 (softcap, bf16, with and without a window), bwd 40 + 20 (deterministic, bias) +
+    # 16 (window) + 8 (softcap), bwd_pre and bwd_post 10 each, bwd_dq 20; hopper: fwd 16 + 8
+    # (second tunings of d 64 and 128) + 16 (bias) + 16 (window, both tunings), each dense and
+    # packed, + 8 (softcap, dense, one tuning), bwd 8 + 8 (bias) + 8 (window) + 8 (softcap) and
     # bwd_post 4
-    assert len(variants) == 480
-    assert len({v.descriptor.hash for v in variants}) == 480
-    assert len({v.descriptor.name for v in variants}) == 480
-    assert sum(v.descriptor.packed for v in variants) == 76
+    assert len(variants) == 360
+    assert len({v.descriptor.hash for v in variants}) == 360
+    assert len({v.descriptor.name for v in variants}) == 360
+    assert sum(v.descriptor.packed for v in variants) == 56
     assert sum(v.descriptor.window for v in variants) == 80
     assert sum(v.descriptor.softcap for v in variants) == 32
-    assert sum(v.relative_speed != 1 for v in variants) == 40
+    assert sum(v.relative_speed != 1 for v in variants) == 32
     assert {v.descriptor.arch for v in variants} == {"sm_80", "sm_90a"}
     assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
         (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     kinds = [v.descriptor.kernel for v in variants]
-    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [272, 154, 10, 14, 30]
-    assert sum(v.descriptor.bias == "additive" for v in variants) == 138
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [200, 116, 10, 14, 20]
+    assert sum(v.descriptor.bias == "additive" for v in variants) == 92
     assert {v.spec_file for v in variants} == {SPEC, "specs/hopper.yaml"}
     assert all(v.spec_file == "specs/hopper.yaml" for v in variants if v.descriptor.family == "hopper")
 
@@ -342,12 +343,12 @@ def test_cli_list_with_filter():
     result = run_cli("list", "--specs", "specs", "--filter", "^fwd_portable_sm90a_bf16_d128_")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 12  # 3 causal modes, with and without a bias; 2 with a window; 4 with a softcap
+    assert len(lines) == 10  # 2 causal modes, with and without a bias; 2 with a window; 4 with a softcap
     expected = {d.name: d.hash for d in (v.descriptor for v in load_variants(REPO / "specs"))
                 if d.kernel == "fwd" and d.family == "portable" and d.arch == "sm_90a" and d.dtype == "bf16"
                 and d.d_qk == d.d_v == 128}
     assert {tuple(line.split("  ")) for line in lines} == set(expected.items())
-    assert "12 variant(s)" in result.stderr
+    assert "10 variant(s)" in result.stderr
 
 
 def test_cli_list_on_a_broken_spec_dir(tmp_path):

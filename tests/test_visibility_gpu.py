@@ -31,8 +31,11 @@ def probe_source(tiles: tuple[tuple[int, int], ...] = TILES) -> str:
     instantiation."""
     tile_cases = "\n".join(f"    case {i}: evaluate<kCausal, kWindow, {m}, {n}>(in, out); break;"
                            for i, (m, n) in enumerate(tiles))
-    mode_cases = "\n".join(f"    case {2 * i + w}: by_tile<flashkiln::Causal::{mode}, {'true' if w else 'false'}>(in[1], in, out); "
-                           "break;" for i, mode in enumerate(CAUSAL_MODES) for w in (0, 1))
+    # The kernels compile a causal mask or none; its alignment is the call's (in[0] == 1: top_left).
+    mode_cases = "\n".join(f"    case {2 * i + w}: by_tile<flashkiln::Causal::{'none' if mode == 'none' else 'masked'}, "
+                           f"{'true' if w else 'false'}>(in[1], in, out); break;"
+                           for i, mode in enumerate(CAUSAL_MODES) for w in (0, 1))
+    top_left = CAUSAL_MODES.index("top_left")
     return f"""#include <{HEADER}>
 
 struct ProbeParams {{
@@ -42,7 +45,7 @@ struct ProbeParams {{
 
 template <flashkiln::Causal kCausal, bool kWindow, int kBlockM, int kBlockN>
 __device__ void evaluate(int const* in, int* out) {{
-  const auto v = flashkiln::visibility<kCausal, kWindow>(in[2], in[3], flashkiln::Window{{in[12], in[13]}});
+  const auto v = flashkiln::visibility<kCausal, kWindow>(in[2], in[3], flashkiln::Reach{{in[12], in[13], in[0] == {top_left}}});
   const flashkiln::TileRange keys = flashkiln::visible_key_tiles<kBlockN>(v, in[6], in[7], in[9]);
   const flashkiln::TileRange queries = flashkiln::visiting_query_tiles<kBlockM, kBlockN>(v, in[8], in[10]);
   out[0] = v.offset;

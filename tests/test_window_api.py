@@ -33,18 +33,6 @@ def test_window_normal_form(window_size, causal, expected):
     assert inputs.check_window(window_size, causal) == expected
 
 
-@pytest.mark.parametrize("causal, modified, shape, expected", [
-    ("top_left", True, (16, 16, False), "bottom_right"),  # the alignments coincide
-    ("top_left", True, (8, 16, False), "top_left"),
-    ("top_left", True, (16, 16, True), "top_left"),  # per sequence they may not
-    ("top_left", False, (16, 16, False), "top_left"),  # no score modification: its own variant
-    ("none", True, (16, 16, False), "none"),
-    ("bottom_right", True, (8, 16, False), "bottom_right"),
-])
-def test_a_modified_call_runs_square_top_left_masks_as_bottom_right(causal, modified, shape, expected):
-    assert inputs.modified_causal(causal, modified, *shape) == expected
-
-
 @pytest.mark.parametrize("window_size, match", [
     ((-2, 0), "-1 .unbounded. or at least 0"),
     ((0, -5), "-1 .unbounded. or at least 0"),

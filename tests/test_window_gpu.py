@@ -8,9 +8,9 @@ and the typed errors (a window with a bias, malformed windows).
 Query row i of a sequence sees key j iff 0 <= j < S_k and i + off - left <= j <= i + off + right
 (off = S_k - S_q, or 0 under "top_left"; -1 leaves a side unbounded; a causal mask sets right to
 0): tests/reference.py's visible_mask. Outputs and gradients are written into NaN-poisoned
-buffers framed by NaN canaries; inputs are fresh random tensors from a printed seed. Windows
-under "top_left" may not be generated: a family without them raises VariantNotFoundError (or
-UnsupportedError) and the case skips for that family.
+buffers framed by NaN canaries; inputs are fresh random tensors from a printed seed. Top-left
+windows run on the same kernels as bottom-right ones (the alignment is a run-time value), so
+every case runs on both families.
 
 The CPU tests at the top check the reference's window rule itself (no GPU needed); everything
 else carries the gpu marker.
@@ -184,13 +184,6 @@ def _backward(dout, q, k, v, out, lse, causal, window, backend, repro, route=Non
     return grads
 
 
-def _skip_if_not_generated(causal, exc: Exception, what: str) -> None:
-    """A top_left window variant may not be generated: skip then; anything else is a failure."""
-    if causal == "top_left" and isinstance(exc, NOT_GENERATED):
-        pytest.skip(f"{what}: no top_left window variant ({type(exc).__name__}: {exc})")
-    raise exc
-
-
 def _check_agree(name: str, a: torch.Tensor, b: torch.Tensor, ref32: torch.Tensor, reflp: torch.Tensor, k: float,
                  floor: float, repro: str) -> None:
     """The two families agree within FA-style(k)'s bound: max|a - b| <= k * max|REFLP - REF32| + floor
@@ -216,16 +209,10 @@ def _check_families(q, k, v, dout, causal, window, repro, sink=None) -> None:
     unseen_keys = torch.zeros(k.shape[2], dtype=torch.bool, device="cuda") if mask is None else ~mask.any(0)
     empty = ref32.empty_rows
     extra = {} if sink is None else {"sink": sink, "sink_grad": True}
-    results, skipped = {}, []
+    results = {}
     for family in _families():
         r = f"{repro} backend={family}"
-        try:
-            out, lse = _forward(q, k, v, causal, window, family, r, sink)
-        except NOT_GENERATED as exc:
-            if causal != "top_left":
-                raise
-            skipped.append(f"{family} forward: {type(exc).__name__}: {exc}")
-            continue
+        out, lse = _forward(q, k, v, causal, window, family, r, sink)
         fa_style_check("out", out, ref32.out, reflp.out, 2, r)
         fa_style_check("lse", lse, ref32.lse, reflp.lse, 2, r)
         # Rows that see no key: exactly O = 0, and LSE = -inf (checked above) or the sink.
@@ -233,23 +220,14 @@ def _check_families(q, k, v, dout, causal, window, repro, sink=None) -> None:
         if sink is not None:
             assert torch.equal(lse[empty], sink.float()[None, :, None].expand_as(lse)[empty]), \
                 f"rows that see no key: LSE is not the sink\n{r}"
-        try:
-            grads = _backward(dout, q, k, v, out, lse, causal, window, family, r, **extra)
-        except NOT_GENERATED as exc:
-            if causal != "top_left":
-                raise
-            skipped.append(f"{family} backward (its forward passed): {type(exc).__name__}: {exc}")
-            continue
+        grads = _backward(dout, q, k, v, out, lse, causal, window, family, r, **extra)
         check_grads_against(grads, grad32, gradlp, r)
         dq, dk, dv = grads[:3]
         assert (dq[empty] == 0).all(), f"dq rows of queries that see no key are not 0\n{r}"
         assert (dk[:, :, unseen_keys] == 0).all() and (dv[:, :, unseen_keys] == 0).all(), \
             f"dk/dv rows of keys no query sees are not 0\n{r}"
         results[family] = (out, lse, *grads)
-    if not results:
-        pytest.skip(f"no top_left window variant: {'; '.join(skipped)}")
-    # (A family skipped above has no results: hopper and portable are compared where both ran.)
-    if len(results) == 2:
+    if len(results) == 2:  # hopper against portable, where both run (compute capability 9.0)
         names = ["out", "lse", "dq", "dk", "dv"] + ([] if sink is None else ["dsink"])
         refs32 = [ref32.out, ref32.lse, grad32.dq, grad32.dk, grad32.dv, grad32.dsink]
         refslp = [reflp.out, reflp.lse, gradlp.dq, gradlp.dk, gradlp.dv, gradlp.dsink]
@@ -417,19 +395,12 @@ def test_sdpa_autograd(sq, sk, d, dtype, is_causal, window):
     repro = _repro("test_sdpa_autograd", seed=seed, sq=sq, sk=sk, d=d, dtype=dtype, is_causal=is_causal,
                    window=window)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    try:
-        out = flashkiln.scaled_dot_product_attention(*leaves, is_causal=is_causal, enable_gqa=True,
-                                                     window_size=window)
-    except NOT_GENERATED as exc:
-        _skip_if_not_generated(causal, exc, "scaled_dot_product_attention")
+    out = flashkiln.scaled_dot_product_attention(*leaves, is_causal=is_causal, enable_gqa=True, window_size=window)
     ref32 = attention_reference(q, k, v, causal, None, torch.float32, window=window)
     reflp = attention_reference(q, k, v, causal, None, q.dtype, window=window)
     fa_style_check("out", out.detach(), ref32.out, reflp.out, 2, repro)
     assert (out.detach()[ref32.empty_rows] == 0).all(), f"rows that see no key are not 0\n{repro}"
-    try:
-        out.backward(dout)
-    except NOT_GENERATED as exc:
-        _skip_if_not_generated(causal, exc, "scaled_dot_product_attention's backward")
+    out.backward(dout)
     check_grads_against([t.grad for t in leaves],
                         attention_grad_reference(q, k, v, dout, causal, None, torch.float32, window=window),
                         attention_grad_reference(q, k, v, dout, causal, None, q.dtype, window=window), repro)
@@ -494,11 +465,8 @@ def test_packed_batches(lengths, d, dtype, window, causal, backend):
                    backend=backend)
     out = torch.full((case.q.shape[0], 4, d), float("nan"), device="cuda", dtype=dtype)
     lse = torch.full((4, case.q.shape[0]), float("nan"), device="cuda")
-    try:
-        flashkiln.attention_forward(case.q, case.k, case.v, causal=causal, window_size=window, packed=case.packed(),
-                                    out=out, lse=lse, backend=backend)
-    except NOT_GENERATED as exc:
-        _skip_if_not_generated(causal, exc, f"{backend} packed forward")
+    flashkiln.attention_forward(case.q, case.k, case.v, causal=causal, window_size=window, packed=case.packed(),
+                                out=out, lse=lse, backend=backend)
     torch.cuda.synchronize()
     tail_q, tail_k = slice(int(case.cu_q[-1]), None), slice(int(case.cu_k[-1]), None)
     assert (out[tail_q] == 0).all() and torch.isneginf(lse[:, tail_q]).all(), \
@@ -513,12 +481,9 @@ def test_packed_batches(lengths, d, dtype, window, causal, backend):
     assert (out.transpose(0, 1)[empty] == 0).all(), f"rows that see no key are not 0\n{repro}"
 
     buffers = [torch.full(t.shape, float("nan"), device="cuda", dtype=dtype) for t in (case.q, case.k, case.v)]
-    try:
-        grads = flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal,
-                                             window_size=window, packed=case.packed(), dq=buffers[0], dk=buffers[1],
-                                             dv=buffers[2], backend=backend)
-    except NOT_GENERATED as exc:
-        _skip_if_not_generated(causal, exc, f"{backend} packed backward")
+    grads = flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal,
+                                         window_size=window, packed=case.packed(), dq=buffers[0], dk=buffers[1],
+                                         dv=buffers[2], backend=backend)
     torch.cuda.synchronize()
     assert case.canaries_intact(), f"canary overwritten\n{repro}"
     dq, dk, dv = grads

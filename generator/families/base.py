@@ -66,7 +66,7 @@ class Family(ABC):
         """What every family's kernel templates read besides the descriptor."""
         return {
             "element": ELEMENT[d.dtype],
-            "causal": d.causal,
+            "causal": "none" if d.causal == "none" else "masked",  # common/visibility.hpp's Causal
             "threads": self.threads(d),
             "smem_bytes": self.smem_bytes(d),
         }

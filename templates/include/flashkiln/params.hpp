@@ -26,9 +26,9 @@ struct FwdParams {
   int32_t total_q, total_k;  // tokens of q and k: seqlen_q and seqlen_k when dense
   float scale;       // applied to Q K^T
   float scale_log2;  // scale * log2(e): the softmax runs in base 2
-  // A window variant's reach below and above each row's aligned key (common/visibility.hpp,
-  // Window); negative: unbounded.
-  int32_t window_left, window_right;
+  // The call's reach (common/visibility.hpp, Reach): a window variant's keys below and above each
+  // row's aligned key (negative: unbounded), and whether row i aligns with key i (top-left).
+  int32_t window_left, window_right, top_left;
   // A softcap variant's scale / cap (common/softcap.hpp; scale above is then the cap).
   float softcap_scale;
 };
@@ -65,8 +65,8 @@ struct BwdParams {
   int32_t seqlen_q_rounded;  // seqlen_q rounded up to kDqAccumRowAlign: the dQ semaphores' rows
   float scale;
   float scale_log2;
-  int32_t window_left, window_right;  // as in FwdParams
-  float softcap_scale;                // as in FwdParams
+  int32_t window_left, window_right, top_left;  // as in FwdParams
+  float softcap_scale;                          // as in FwdParams
 };
 
 }  // namespace flashkiln

@@ -5,21 +5,30 @@
 //
 // Query row i of a sequence sees key j iff 0 <= j < seqlen_k and left(i) <= j <= right(i). The
 // right edge is i + offset under a causal mask or a window and unbounded otherwise; the left edge
-// is i + offset - span under a window and unbounded otherwise. A window (FlashAttention's
-// window_size) aligns row i with key i + seqlen_k - seqlen_q (top_left: with key i), reaches
-// `left` keys below and `right` keys above that key, and a causal mask caps `right` at 0.
+// is i + offset - span under a window and unbounded otherwise. Row i aligns with key
+// i + seqlen_k - seqlen_q, or with key i where the call asks for top-left alignment; a window
+// (FlashAttention's window_size) reaches `left` keys below and `right` keys above that key, and a
+// causal mask caps `right` at 0.
 #pragma once
 
 namespace flashkiln {
 
-// The causal modes. top_left: key j visible to query i iff j <= i (PyTorch's is_causal).
-// bottom_right: iff j <= i + seqlen_k - seqlen_q (FlashAttention's convention).
-enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
+// Whether a kernel masks a causal right edge. Where the edge lies is the call's (Reach::top_left),
+// so one kernel serves both causal modes. top-left: key j visible to query i iff j <= i
+// (PyTorch's is_causal); bottom-right: iff j <= i + seqlen_k - seqlen_q (FlashAttention's).
+enum class Causal : int { none = 0, masked = 1 };
 
-// A sliding window's reach on either side of a row's aligned key; negative: unbounded.
-struct Window {
-  int left, right;
+// A call's reach: a sliding window on either side of a row's aligned key (negative: unbounded),
+// and the alignment (nonzero top_left: row i aligns with key i, else with i + seqlen_k - seqlen_q).
+struct Reach {
+  int left, right, top_left;
 };
+
+// A parameter block's reach: every kernel's block names these fields alike.
+template <class Params>
+__host__ __device__ __forceinline__ constexpr Reach reach_of(Params const& p) {
+  return {p.window_left, p.window_right, p.top_left};
+}
 
 // The lesser of two ints, in constant expressions too (CUDA's min is not constexpr).
 __host__ __device__ __forceinline__ constexpr int lesser(int a, int b) { return a < b ? a : b; }
@@ -45,13 +54,13 @@ constexpr int kUnboundedReach = 1 << 29;
 
 template <Causal kCausal, bool kWindow = false>
 __host__ __device__ __forceinline__ constexpr Visibility<kCausal, kWindow> visibility(int seqlen_q, int seqlen_k,
-                                                                                     Window window = {-1, -1}) {
-  const int align = kCausal == Causal::top_left ? 0 : seqlen_k - seqlen_q;
+                                                                                     Reach reach = {-1, -1, 0}) {
+  const int align = reach.top_left ? 0 : seqlen_k - seqlen_q;
   if constexpr (!kWindow) {
     return {seqlen_k, kCausal == Causal::none ? 0 : align, 0};
   }
-  const int right = kCausal != Causal::none ? 0 : window.right < 0 ? kUnboundedReach : window.right;
-  const int left = window.left < 0 ? kUnboundedReach : window.left;
+  const int right = kCausal != Causal::none ? 0 : reach.right < 0 ? kUnboundedReach : reach.right;
+  const int left = reach.left < 0 ? kUnboundedReach : reach.left;
   return {seqlen_k, align + right, left + right};
 }
 

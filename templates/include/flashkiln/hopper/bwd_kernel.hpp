@@ -62,7 +62,7 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
 template <class T>
 __device__ __forceinline__ Visibility<T::kCausal, T::kWindow> visibility_of(HopperBwdParams const& p,
                                                                           Sequence const& s) {
-  return visibility<T::kCausal, T::kWindow>(s.seqlen_q, s.seqlen_k, Window{p.window_left, p.window_right});
+  return visibility<T::kCausal, T::kWindow>(s.seqlen_q, s.seqlen_k, reach_of(p));
 }
 
 // The query tiles of sequence s that see its key tile n_block.

@@ -43,9 +43,9 @@ struct HopperBwdParams {
   float scale_log2;  // scale * log2(e)
   // The bias map's coordinate steps per query row, head and batch entry: 0 along its broadcast dims.
   int32_t bias_row_step, bias_head_step, bias_batch_step;
-  int32_t window_left, window_right;  // as in HopperFwdParams
-  float softcap_scale;                // as in HopperFwdParams
-  int32_t _pad[9];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  int32_t window_left, window_right, top_left;  // as in HopperFwdParams
+  float softcap_scale;                          // as in HopperFwdParams
+  int32_t _pad[8];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

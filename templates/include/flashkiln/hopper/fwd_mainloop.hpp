@@ -97,7 +97,7 @@ template <class T>
 __device__ __forceinline__ Visibility<T::kCausal, T::kWindow> visibility_of(HopperFwdParams const& p,
                                                                           WorkTile const& w) {
   const int2 len = seqlens<T::kPacked>(p, w);
-  return visibility<T::kCausal, T::kWindow>(len.x, len.y, Window{p.window_left, p.window_right});
+  return visibility<T::kCausal, T::kWindow>(len.x, len.y, reach_of(p));
 }
 
 // The key tiles the `rows` query rows from row0 of the tile's sequence see (the tile's own, by

@@ -46,12 +46,12 @@ struct HopperFwdParams {
   // broadcast along them that does not stay in L2 otherwise (the runtime decides:
   // hopper_forward.tile_order); query tiles otherwise.
   int32_t tile_order;
-  // A window variant's reach below and above each row's aligned key (common/visibility.hpp,
-  // Window); negative: unbounded.
-  int32_t window_left, window_right;
+  // The call's reach (common/visibility.hpp, Reach): a window variant's keys below and above each
+  // row's aligned key (negative: unbounded), and whether row i aligns with key i (top-left).
+  int32_t window_left, window_right, top_left;
   // A softcap variant's scale / cap (common/softcap.hpp; scale above is then the cap).
   float softcap_scale;
-  int32_t _pad[13];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  int32_t _pad[12];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

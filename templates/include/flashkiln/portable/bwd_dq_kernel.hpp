@@ -40,8 +40,7 @@ __device__ __forceinline__ void bwd_dq_kernel(BwdParams const& p) {
   const int64_t bh = int64_t(batch) * p.heads_q + head;
   // The key tiles that visited this query tile: those its whole rows see (the dual of the main
   // kernel's visiting_query_tiles).
-  const auto vis =
-      visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, Window{p.window_left, p.window_right});
+  const auto vis = visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, reach_of(p));
   const TileRange keys = visible_key_tiles<kBlockN>(vis, m_block * kBlockM, (m_block + 1) * kBlockM,
                                                     ceil_div(seq.seqlen_k, kBlockN));
   const int n_first = keys.first, n_end = keys.end;

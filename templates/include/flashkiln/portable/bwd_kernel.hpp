@@ -71,8 +71,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
     return;
   }
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  const auto vis =
-      visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, Window{p.window_left, p.window_right});
+  const auto vis = visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, reach_of(p));
   const int k_rows = min(kBlockN, seq.seqlen_k - n_block * kBlockN);
   // The query tiles that see this key tile.
   const TileRange queries = visiting_query_tiles<kBlockM, kBlockN>(vis, n_block, ceil_div(seq.seqlen_q, kBlockM));

@@ -40,8 +40,7 @@ __device__ __forceinline__ void fwd_kernel(FwdParams const& p) {
     return;  // a packed batch's grid covers its longest sequence
   }
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  const auto vis =
-      visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, Window{p.window_left, p.window_right});
+  const auto vis = visibility<T::kCausal, T::kWindow>(seq.seqlen_q, seq.seqlen_k, reach_of(p));
   const int q_rows = min(kBlockM, seq.seqlen_q - m_block * kBlockM);
 
   // The key tiles this query tile's rows see.
