@@ -7,9 +7,10 @@ HOST_PYTHON ?= python3
 JOBS ?= $(shell nproc)
 SPECS ?= specs
 OUT ?= generated
-# Archs to build, comma-separated (e.g. ARCHS=sm_80,sm_90a); empty: every arch the specs list.
-ARCHS ?=
-ARCH_ARGS := $(if $(ARCHS),--archs $(ARCHS))
+# Archs to build, comma-separated (e.g. ARCHS=sm_80,sm_90a), or `all`: every arch the specs list.
+# The default (Hopper's) keeps a cold build on two cores within 15 minutes (docs/perf.md, v23).
+ARCHS ?= sm_90a
+ARCH_ARGS := $(if $(filter all,$(ARCHS)),,--archs $(ARCHS))
 # On a GPU machine that has torch and cuda-bindings but no registry (the device), use its python3.
 GPU_PYTHON ?= python3
 # CUDA flavor of `make wheel`: 13 (NVRTC 13.0, in .venv) or 12 (NVRTC 12.9, in .venv-cu12).
@@ -17,7 +18,7 @@ CUDA ?= 13
 VENV_CU12 := .venv-cu12
 WHEEL_PY := $(if $(filter 12,$(CUDA)),$(VENV_CU12)/bin/python,$(PY))
 
-.PHONY: all setup generate test gpu-test bench wheel clean
+.PHONY: all setup generate test gpu-test bench wheel wheels clean
 
 all: generate
 
@@ -64,6 +65,10 @@ bench:
 # A wheel of the runtime with the cubins of $(SPECS) (and the generator, for opt-in JIT), into dist/.
 wheel: $(if $(filter 12,$(CUDA)),$(VENV_CU12)/.installed,$(VENV)/.installed)
 	$(WHEEL_PY) -m flashkiln.generator wheel --specs $(SPECS) --out dist -j $(JOBS) $(ARCH_ARGS)
+
+# One such wheel per arch (`make wheels ARCHS=all`: every arch the specs list).
+wheels: $(if $(filter 12,$(CUDA)),$(VENV_CU12)/.installed,$(VENV)/.installed)
+	$(WHEEL_PY) -m flashkiln.generator wheel --per-arch --specs $(SPECS) --out dist -j $(JOBS) $(ARCH_ARGS)
 
 clean:
 	rm -rf build dist $(OUT)/manifest.json $(OUT)/*.cubin $(OUT)/src

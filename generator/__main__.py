@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p_wheel = sub.add_parser("wheel", help="build a wheel of the runtime with the specs' cubins")
     _build_args(p_wheel)
     p_wheel.add_argument("--out", type=Path, default=Path("dist"))
+    p_wheel.add_argument("--per-arch", action="store_true", help="one wheel per arch instead of one of them all")
 
     args = parser.parse_args(argv)
     try:
@@ -70,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "merge":
             merge(args.out, args.shards)
         else:
-            from .wheel import build_wheel
+            from .wheel import build_wheel, build_wheels_per_arch
 
-            build_wheel(args.specs, args.out, args.jobs, Selection(args.filter, args.exclude, archs=args.archs),
-                        args.cache_dir, progress=not args.no_progress)
+            build = build_wheels_per_arch if args.per_arch else build_wheel
+            build(args.specs, args.out, args.jobs, Selection(args.filter, args.exclude, archs=args.archs),
+                  args.cache_dir, progress=not args.no_progress)
     except (SpecError, GenerateError, MergeError, ToolchainError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from flashkiln.archs import ARCHS
 from flashkiln.version import __version__
 from flashkiln.manifest import MANIFEST_NAME, KernelEntry, Manifest
 from flashkiln.params import params_layout
@@ -79,7 +80,7 @@ class Selection:
 
     def variants(self, variants: list[Variant]) -> list[Variant]:
         if self.archs is not None:
-            listed = sorted({v.descriptor.arch for v in variants})
+            listed = [a for a in ARCHS if any(v.descriptor.arch == a for v in variants)]
             unknown = [a for a in self.archs if a not in listed]
             if unknown:
                 raise ValueError(f"archs {', '.join(unknown)}: the specs list kernels for {', '.join(listed)} only "

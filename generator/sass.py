@@ -27,3 +27,13 @@ def opcode_counts(sass: str) -> collections.Counter:
     """How often each opcode (without modifiers: HMMA.16816.F32.BF16 counts as HMMA) occurs."""
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     return collections.Counter(ops)
+
+
+def resource_usage(cubin: Path) -> dict[str, dict[str, int]]:
+    """Per kernel symbol, cuobjdump's resource counts (REG, STACK, SHARED: static bytes, LOCAL, ...)."""
+    text = subprocess.run([str(cuobjdump_path()), "--dump-resource-usage", str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+    usage = {}
+    for symbol, counts in re.findall(r"Function (\S+):\s*\n\s*(.+)", text):
+        usage[symbol] = {key: int(value) for key, value in re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", counts)}
+    return usage

@@ -1,11 +1,16 @@
 """`wheel`: the runtime plus one spec set's cubins (and the generator, for opt-in JIT) as a wheel.
 
-The wheel's version carries the CUDA flavor as a local label (0.1.0+cu13). Installing it pulls
-only torch and a matching cuda-bindings; the generator's own dependencies are its `generator`
-extra, needed only to JIT-compile variants the wheel does not hold.
+The wheel's version carries the CUDA flavor and the archs of its cubins as a local label
+(0.1.0+cu13.sm90a; 0.1.0+cu13.sm80.sm90a for a wheel of two). `wheel --per-arch` builds one
+wheel per arch, each whole (runtime and that arch's cubins): a process runs on one arch, and
+the runtime's parameter layouts must match the cubins', which one wheel keeps together; an image
+for several archs takes one wheel of them all (`--archs`). Installing a wheel pulls only torch
+and a matching cuda-bindings; the generator's own dependencies are its `generator` extra, needed
+only to JIT-compile variants the wheel does not hold.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -15,6 +20,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from flashkiln.archs import ARCHS
 from flashkiln.version import __version__
 
 from .build import DEFAULT_CACHE_DIR, Selection, generate
@@ -41,7 +47,12 @@ def _source_extra(flavor: str) -> list[str]:
     return list(project["optional-dependencies"][_EXTRA[flavor]])
 
 
-def _stage_pyproject(flavor: str) -> str:
+def local_label(flavor: str, archs: list[str]) -> str:
+    """The wheel's local version label: the flavor, then each arch of its cubins (ARCHS order)."""
+    return ".".join([flavor, *(a.replace("_", "") for a in ARCHS if a in archs)])
+
+
+def _stage_pyproject(flavor: str, label: str) -> str:
     quoted = lambda items: ", ".join(f'"{i}"' for i in items)  # noqa: E731
     return f"""[build-system]
 requires = ["setuptools>=69"]
@@ -49,8 +60,8 @@ build-backend = "setuptools.build_meta"
 
 [project]
 name = "flashkiln"
-version = "{__version__}+{flavor}"
-description = "flashkiln runtime with precompiled attention kernels ({flavor})"
+version = "{__version__}+{label}"
+description = "flashkiln runtime with precompiled attention kernels ({label})"
 requires-python = ">=3.11"
 dependencies = ["torch>=2.4", "{_BINDINGS[flavor]}"]
 
@@ -90,16 +101,28 @@ def build_wheel(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or
         if too_big:
             raise WheelError(f"cubins exceed {max_mib_per_arch} MiB per arch: "
                              + ", ".join(f"{a} {n / 2**20:.1f} MiB" for a, n in too_big.items()))
-        (stage / "pyproject.toml").write_text(_stage_pyproject(flavor))
+        label = local_label(flavor, list(per_arch))
+        (stage / "pyproject.toml").write_text(_stage_pyproject(flavor, label))
         before = set(out_dir.glob("*.whl"))
         result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                                  "--wheel-dir", str(out_dir), str(stage)], capture_output=True, text=True)
         if result.returncode:
             raise WheelError(f"pip wheel failed:\n{result.stdout}\n{result.stderr}")
-    built = sorted(set(out_dir.glob(f"flashkiln-{__version__}+{flavor}-*.whl")) - before) or \
-        sorted(out_dir.glob(f"flashkiln-{__version__}+{flavor}-*.whl"))
+    built = sorted(set(out_dir.glob(f"flashkiln-{__version__}+{label}-*.whl")) - before) or \
+        sorted(out_dir.glob(f"flashkiln-{__version__}+{label}-*.whl"))
     wheel = built[-1]
     report = WheelReport(wheel, wheel.stat().st_size, per_arch)
     print(f"built {wheel} ({report.bytes / 2**20:.1f} MiB compressed; cubins per arch: "
           + ", ".join(f"{a} {n / 2**20:.1f} MiB" for a, n in sorted(per_arch.items())) + ")")
     return report
+
+
+def build_wheels_per_arch(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1,
+                          selection: Selection = Selection(), cache_dir: Path = DEFAULT_CACHE_DIR,
+                          progress: bool = True) -> list[WheelReport]:
+    """One wheel per arch of the selection (every arch the specs list by default)."""
+    from .specs import load_variants
+
+    listed = {v.descriptor.arch for v in selection.variants(load_variants(Path(specs_dir)))}
+    return [build_wheel(specs_dir, out_dir, workers, dataclasses.replace(selection, archs=(arch,)), cache_dir,
+                        progress) for arch in ARCHS if arch in listed]

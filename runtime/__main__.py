@@ -5,9 +5,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from .archs import ARCHS
 from .errors import FlashkilnError
 from .jit import JitCache
 from .registry import KernelRegistry
+
+
+def per_arch(kernels) -> dict[str, tuple[int, int]]:
+    """(variants, cubin bytes) per arch of the manifest's kernels, in ARCHS order."""
+    counts = {a: (sum(e.arch == a for e in kernels), sum({e.cubin: e.cubin_bytes for e in kernels
+                                                         if e.arch == a}.values())) for a in ARCHS}
+    return {a: c for a, c in counts.items() if c[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             for e in registry.manifest.kernels:
                 print(f"{e.name}  {e.hash}  {e.arch}")
+            for arch, (count, size) in per_arch(registry.manifest.kernels).items():
+                runs_on = ", ".join(f"{c[0]}.{c[1]}" for c in ARCHS[arch].capabilities())
+                print(f"{arch}: {count} variant(s), {size / 2**20:.1f} MiB of cubins (runs on compute capability "
+                      f"{runs_on})", file=sys.stderr)
             build = registry.manifest.build
             print(f"{len(registry.manifest.kernels)} variant(s) in {registry.directory} (flashkiln "
                   f"{build.get('flashkiln_version')}, {build.get('cuda_flavor')}, NVRTC "

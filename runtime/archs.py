@@ -18,6 +18,13 @@ class Arch:
     arch_specific: bool
     # Opt-in dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
     max_smem_per_block: int
+    # Static shared memory ptxas reports for every kernel of the arch that the limit above does
+    # not count: sm_90's 1 KB reserved for the system (cudaDevAttrReservedSharedMemoryPerBlock).
+    reserved_static_smem: int = 0
+
+    def capabilities(self) -> list[tuple[int, int]]:
+        """The compute capabilities flashkiln knows this arch's SASS runs on."""
+        return sorted({a.capability for a in ARCHS.values() if self.runs_on(a.capability)})
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
         """SASS runs on the same major and an equal or later minor; 'a' targets on one chip only."""
@@ -32,7 +39,8 @@ ARCHS: dict[str, Arch] = {
         Arch("sm_80", (8, 0), False, 166912),
         Arch("sm_86", (8, 6), False, 101376),
         Arch("sm_89", (8, 9), False, 101376),
-        Arch("sm_90a", (9, 0), True, 232448),
+        Arch("sm_90a", (9, 0), True, 232448, reserved_static_smem=1024),
+        Arch("sm_120", (12, 0), False, 101376),
     )
 }
 

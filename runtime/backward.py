@@ -9,7 +9,7 @@ import torch
 
 from . import dq_routes, families, inputs
 from .bias import KernelBias, bias_gradient, key_constant_gradient, prepare_bias
-from .calls import BackwardCall
+from .calls import BackwardCall, backward_tensors
 from .head_dims import kernel_dims, padded
 from .launch import CallPlan, Target, allocate_all, load_kernels, run
 from .plan_cache import PlanCache, packed_key, storage_key, tensor_key, value_key
@@ -33,12 +33,34 @@ class BackwardPlan(CallPlan):
     bias_grad: bool
     sink_grad: bool
     sink_parts: bool  # the main kernel sums p_sink * P * dP (BackwardCall.sink_parts)
+    # Calls that need nothing but fresh gradients, scratch and the launches (a dense batch, no bias,
+    # sink, padded head dims, layout copies or GQA sums) take run's direct path, which makes the
+    # gradients as (((shape, strides) of dq, dk, dv), dtype, device).
+    fresh: tuple | None = None
 
     def run(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, dlse: torch.Tensor | None, bias: torch.Tensor | None, sink: torch.Tensor | None,
             packed: PackedBatch | None, dq: torch.Tensor | None, dk: torch.Tensor | None,
             dv: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """The call's gradients; its arguments passed the checks its plan was made with."""
+        if self.fresh is not None and dq is None and dk is None and dv is None:
+            (dq_layout, dk_layout, dv_layout), dtype, device = self.fresh
+            with inputs.kernel_written_allocations():
+                dq = torch.empty_strided(*dq_layout, dtype=dtype, device=device)
+                dk = torch.empty_strided(*dk_layout, dtype=dtype, device=device)
+                dv = torch.empty_strided(*dv_layout, dtype=dtype, device=device)
+                scratch = allocate_all(self.scratch, device)
+            dlse = None if dlse is None else dlse.contiguous()
+            run(self, {**backward_tensors(q, k, v, out, dout, lse.contiguous(), dq, dk, dv, dlse, None, None, None),
+                       **scratch})
+            return dq, dk, dv
+        return self._run(dout, q, k, v, out, lse, dlse, bias, sink, packed, dq, dk, dv)
+
+    def _run(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, dlse: torch.Tensor | None, bias: torch.Tensor | None, sink: torch.Tensor | None,
+             packed: PackedBatch | None, dq: torch.Tensor | None, dk: torch.Tensor | None,
+             dv: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """run's full path: any call of the plan."""
         if packed is not None:
             q, k, v, out, dout = (as_batched(t) for t in (q, k, v, out, dout))
             lse = as_batched(lse)
@@ -202,8 +224,16 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     log.debug("flashkiln backward: %s family, %s, dq route %s", family, planned.launches[1].entry.name,
               planned.route)
     launches = tuple(planned.launches)
+    direct = (packed is None and bias is None and sink is None and dims == (d_qk, d_v) and not copies
+              and dq is None and dk is None and dv is None and all(s.role != "dk_accum" for s in scratch.specs))
     return BackwardPlan(family=family, route=planned.route, launches=launches, scratch=tuple(scratch.specs),
-                        kernels=load_kernels(registry, target, launches), copies=copies, **plan)
+                        kernels=load_kernels(registry, target, launches), copies=copies,
+                        fresh=fresh_gradients(grads) if direct else None, **plan)
+
+
+def fresh_gradients(grads: tuple[torch.Tensor, ...]) -> tuple:
+    """BackwardPlan.fresh: how the direct path makes gradients like the planning call's dq, dk, dv."""
+    return tuple((tuple(t.shape), t.stride()) for t in grads), grads[0].dtype, grads[0].device
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -122,7 +122,15 @@ class BackwardCall:
                                   d_qk=self.q.shape[3], d_v=self.v.shape[3], **fields)
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
-        return {"q": self.q, "k": self.k, "v": self.v, "o": self.out, "dout": self.dout, "lse": self.lse,
-                "dq": self.dq, "dk": self.dk, "dv": self.dv, "dlse": self.dlse,
-                "bias": None if self.bias is None else self.bias.tensor,
-                "sink": self.sink if self.sink_parts else None, **_sequence_bounds(self.packed)}
+        return backward_tensors(self.q, self.k, self.v, self.out, self.dout, self.lse, self.dq, self.dk, self.dv,
+                                self.dlse, None if self.bias is None else self.bias.tensor,
+                                self.sink if self.sink_parts else None, self.packed)
+
+
+def backward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                     lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                     dlse: torch.Tensor | None, bias: torch.Tensor | None, sink: torch.Tensor | None,
+                     packed: PackedBatch | None) -> dict[str, torch.Tensor | None]:
+    """A backward's tensors by role (`bias` the tensor the kernels read, `sink` where they sum its parts)."""
+    return {"q": q, "k": k, "v": v, "o": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dlse": dlse,
+            "bias": bias, "sink": sink, **_sequence_bounds(packed)}

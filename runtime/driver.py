@@ -7,8 +7,9 @@ class with a fake that records the calls.
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from .errors import CudaError
 
@@ -33,13 +34,22 @@ class Driver(Protocol):
 def _check(result: tuple, what: str) -> Any:
     from cuda.bindings import driver as cu
 
-    err = result[0]
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        _, text = cu.cuGetErrorString(err)
-        decode = lambda s: s.decode() if isinstance(s, bytes) else str(s)  # noqa: E731
-        raise CudaError(f"{what} failed: {decode(name)} ({decode(text)})")
+    if result[0] != cu.CUresult.CUDA_SUCCESS:
+        _fail(cu, result[0], what)
     return result[1] if len(result) == 2 else result[1:]
+
+
+def _fail(cu: Any, err: Any, what: str) -> NoReturn:
+    _, name = cu.cuGetErrorName(err)
+    _, text = cu.cuGetErrorString(err)
+    decode = lambda s: s.decode() if isinstance(s, bytes) else str(s)  # noqa: E731
+    raise CudaError(f"{what} failed: {decode(name)} ({decode(text)})")
+
+
+# A launch's kernelParams: an array of one pointer, to the bytes of its one by-value struct argument.
+_KERNEL_PARAMS = struct.Struct("P")
+# CUstream objects kept per raw handle; past this many distinct handles the cache starts over.
+_STREAMS_KEPT = 64
 
 
 class CudaDriver:
@@ -49,8 +59,12 @@ class CudaDriver:
         from cuda.bindings import driver as cu
 
         self._cu = cu
+        # Bound once for the per-call paths (launch, replace_tensor_map_address): no lookups there.
+        self._success = cu.CUresult.CUDA_SUCCESS
+        self._launch_kernel = cu.cuLaunchKernel
         self._threads = threading.local()
         self._functions: dict[int, Any] = {}  # CUkernel address -> the CUfunction cuLaunchKernel takes
+        self._streams: dict[int, Any] = {}  # raw handle -> CUstream: a lookup is cheaper than building one
         _check(cu.cuInit(0), "cuInit")
 
     def version(self) -> int:
@@ -73,8 +87,10 @@ class CudaDriver:
         which torch made no runtime call that binds one (autograd's device threads, say: torch skips
         cudaSetDevice when the device is already the current one) has none, and a driver launch there
         fails with CUDA_ERROR_INVALID_CONTEXT. Checked once per thread and device."""
-        bound = self._threads.__dict__.setdefault("bound", set())
-        if device in bound:
+        bound = getattr(self._threads, "bound", None)
+        if bound is None:
+            bound = self._threads.bound = set()
+        elif device in bound:
             return
         if int(_check(self._cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
             primary = _check(self._cu.cuDevicePrimaryCtxRetain(self._cu.CUdevice(device)), "cuDevicePrimaryCtxRetain")
@@ -84,16 +100,26 @@ class CudaDriver:
     def replace_tensor_map_address(self, tensor_map: int, address: int) -> None:
         """Point the 128-byte CUtensorMap at host address `tensor_map` (inside a parameter block) at
         `address`, keeping its shape, strides and box: cheaper than encoding it anew."""
-        _check(self._cu.cuTensorMapReplaceAddress(self._cu.CUtensorMap(_ptr=tensor_map), address),
-               "cuTensorMapReplaceAddress")
+        err = self._cu.cuTensorMapReplaceAddress(self._cu.CUtensorMap(_ptr=tensor_map), address)[0]
+        if err != self._success:
+            _fail(self._cu, err, "cuTensorMapReplaceAddress")
 
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None:
-        # One by-value struct argument: kernelParams[0] points at its bytes.
-        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         address = int(kernel)
         function = self._functions.get(address)
         if function is None:
             function = self._functions[address] = self._cu.CUfunction(address)
-        _check(self._cu.cuLaunchKernel(function, *grid, *block, smem_bytes, self._cu.CUstream(stream),
-                                       ctypes.addressof(args), 0), "cuLaunchKernel")
+        handle = self._streams.get(stream)
+        if handle is None:
+            handle = self._stream(stream)
+        err = self._launch_kernel(function, *grid, *block, smem_bytes, handle,
+                                  _KERNEL_PARAMS.pack(ctypes.addressof(params)), 0)[0]
+        if err != self._success:
+            _fail(self._cu, err, "cuLaunchKernel")
+
+    def _stream(self, stream: int) -> Any:
+        if len(self._streams) >= _STREAMS_KEPT:
+            self._streams.clear()
+        handle = self._streams[stream] = self._cu.CUstream(stream)
+        return handle

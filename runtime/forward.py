@@ -26,11 +26,33 @@ class ForwardPlan(CallPlan):
     """A forward call's plan (family None: no query row)."""
 
     copies: tuple[bool, bool, bool]  # q, k, v need a copy in the kernels' layout
+    # Calls that need nothing but fresh outputs, scratch and the launches (a dense batch, no bias,
+    # sink, padded head dims or layout copies) take run's direct path, which makes the outputs as
+    # (out's (shape, strides), None where out is a view of a permuted buffer; lse's; dtype; device).
+    fresh: tuple | None = None
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
             sink: torch.Tensor | None, packed: PackedBatch | None, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The call's outputs; its arguments passed the checks its plan was made with."""
+        if self.fresh is not None and out is None and lse is None:
+            out_layout, lse_layout, dtype, device = self.fresh
+            if out_layout is None:
+                out = inputs.empty_in_memory_order(q, v.shape[3])
+            else:
+                out = torch.empty_strided(*out_layout, dtype=dtype, device=device)
+            lse = torch.empty_strided(*lse_layout, dtype=torch.float32, device=device)
+            tensors = forward_tensors(q, k, v, out, lse, None, None, None)
+            if self.scratch:
+                tensors.update(allocate_all(self.scratch, device))
+            run(self, tensors)
+            return out, lse
+        return self._run(q, k, v, bias, sink, packed, out, lse)
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+             sink: torch.Tensor | None, packed: PackedBatch | None, out: torch.Tensor | None,
+             lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """run's full path: any call of the plan."""
         if packed is not None:
             q, k, v = as_batched(q), as_batched(k), as_batched(v)
             out = None if out is None else as_batched(out)
@@ -63,6 +85,12 @@ class ForwardPlan(CallPlan):
         if packed is not None:
             out, lse = as_tokens(out), as_tokens(lse)
         return out, lse
+
+
+def fresh_outputs(out: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """ForwardPlan.fresh: how the direct path makes outputs like the planning call's."""
+    return (None if out._base is not None else (tuple(out.shape), out.stride()), (tuple(lse.shape), lse.stride()),
+            out.dtype, out.device)
 
 
 def _fill_outside_sequences(packed: PackedBatch, total_q: int, *fills: tuple) -> None:
@@ -134,8 +162,11 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
     call = ForwardCall(q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed, window, softcap)
     family, launches, scratch = families.plan("forward", call, backend, target, registry, q.device)
     log.debug("flashkiln forward: %s family, %s", family, launches[0].entry.name)
+    direct = (all(buffer is None for buffer in given.values()) and packed is None and bias is None and sink is None
+              and dims == (d_qk, d_v) and not any(copies))
     return ForwardPlan(family=family, launches=tuple(launches), scratch=tuple(scratch.specs),
-                       kernels=load_kernels(registry, target, tuple(launches)), copies=copies, **plan)
+                       kernels=load_kernels(registry, target, tuple(launches)), copies=copies,
+                       fresh=fresh_outputs(out, lse) if direct else None, **plan)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: str | None = None,

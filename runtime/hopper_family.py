@@ -62,7 +62,7 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
     hq = q.shape[1]
     shape = call.shape
     sq, sk = shape.seqlen_q, shape.seqlen_k
-    entry = tile_choice.choose(registry.tunings(call.request(NAME), target.capability), sq, sk, call.window)
+    entry = tile_choice.choose(registry.tunings(call.request(NAME), *target.limits), sq, sk, call.window)
     tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
     if sk == 0:
         raise UnsupportedError("the hopper forward needs at least one key")
@@ -132,9 +132,9 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     hkv = k.shape[1]
     shape = call.shape
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
-    main = registry.find(backward_request(call), target.capability)
-    pre = registry.find(call.kernel_request("bwd_pre", portable_family.NAME), target.capability)
-    post = registry.find(call.kernel_request("bwd_post", NAME), target.capability)
+    main = registry.find(backward_request(call), *target.limits)
+    pre = registry.find(call.kernel_request("bwd_pre", portable_family.NAME), *target.limits)
+    post = registry.find(call.kernel_request("bwd_post", NAME), *target.limits)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
     maps = {"tma_q": (q, tile_m), "tma_k": (k, tile_n), "tma_v": (v, tile_n), "tma_do": (call.dout, tile_m)}
     encoded = {name: tma.encode(t, rows) for name, (t, rows) in maps.items()}  # UnsupportedError first

@@ -9,11 +9,13 @@ the same shape can reuse the block: `run` copies it and patches only those from 
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from .archs import arch_preference
 from .manifest import KernelEntry
 
 if TYPE_CHECKING:  # the registry is handed in by the callers
@@ -51,11 +53,19 @@ class KernelLaunch:
         params = type(self.params).from_buffer_copy(self.params)
         for name in self.pointers:
             setattr(params, name, tensors[name].data_ptr())
-        for name, role, planned in self.tensor_maps:
-            address = tensors[role].data_ptr()
-            if address != planned:
-                replace_address(ctypes.addressof(params) + getattr(type(params), name).offset, address)
+        if self.tensor_maps:
+            base = ctypes.addressof(params)
+            for offset, role, planned in self._map_offsets:
+                address = tensors[role].data_ptr()
+                if address != planned:
+                    replace_address(base + offset, address)
         return params
+
+    @functools.cached_property
+    def _map_offsets(self) -> tuple[tuple[int, str, int], ...]:
+        """`tensor_maps` with each field's byte offset in the block for its name."""
+        fields = type(self.params)
+        return tuple((getattr(fields, name).offset, role, planned) for name, role, planned in self.tensor_maps)
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,19 @@ class CallPlan:
     dims: tuple[int, int]  # the kernels' head dims (larger than the call's: zero-padded copies)
     kernels: tuple[Any, ...]  # the launches' loaded kernels (registry.load), loaded when planned
 
+    @functools.cached_property
+    def steps(self) -> tuple[tuple, ...]:
+        """What `run` hands the driver per launch, fixed for the plan: (launch, kernel handle, grid,
+        block, dynamic shared memory, the index of an earlier launch whose parameter block it
+        shares, so whose binding it reuses, or None)."""
+        first: dict[int, int] = {}  # id of a parameter block -> the first launch that has it
+        steps = []
+        for i, (launch, kernel) in enumerate(zip(self.launches, self.kernels)):
+            shared = first.setdefault(id(launch.params), i)
+            steps.append((launch, kernel.handle, launch.grid, (launch.entry.threads, 1, 1), launch.entry.smem_bytes,
+                          None if shared == i else shared))
+        return tuple(steps)
+
 
 def load_kernels(registry: KernelRegistry, target: Target, launches: tuple[KernelLaunch, ...]) -> tuple[Any, ...]:
     """The launches' kernels, loaded (and configured for the target) when a plan is made."""
@@ -142,13 +165,23 @@ class Target:
     memory: int  # bytes of device memory
     multiprocessors: int
     l2_bytes: int
+    smem_per_block: int  # opt-in shared memory per block: the tunings a device can run (registry.tunings)
+
+    @property
+    def limits(self) -> tuple[tuple[int, int], int]:
+        """What the registry picks a device's kernels by (KernelRegistry.find's capability, smem_limit)."""
+        return self.capability, self.smem_per_block
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "Target":
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)  # cached by torch
-        return cls(index, (props.major, props.minor), props.total_memory, props.multi_processor_count,
-                   props.L2_cache_size)
+        capability = (props.major, props.minor)
+        smem = getattr(props, "shared_memory_per_block_optin", None)
+        if smem is None:  # a torch without the field: the arch table's limit for the device's own arch
+            known = arch_preference(capability)
+            smem = known[0].max_smem_per_block if known else 0
+        return cls(index, capability, props.total_memory, props.multi_processor_count, props.L2_cache_size, smem)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -160,20 +193,25 @@ def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
+def _current_device() -> int:
+    # torch.cuda.current_device without its lazy-initialization check: the call's tensors are on
+    # the GPU, so torch has initialized CUDA in this process.
+    return torch._C._cuda_getDevice()
+
+
 def run(plan: CallPlan, tensors: Mapping[str, torch.Tensor | None]) -> None:
     """Launch the plan's kernels in order on the current stream (kernels of one call are ordered
     by that stream), each launch's block patched to point at `tensors` first."""
-    target = plan.target
-    if torch.cuda.current_device() != target.device:
-        with torch.cuda.device(target.device):
+    device = plan.target.device
+    if _current_device() != device:
+        with torch.cuda.device(device):
             return run(plan, tensors)
     driver = plan.registry.driver
-    stream = _current_stream(target.device)
-    driver.bind_context(target.device)
-    bound: dict[int, ctypes.Structure] = {}  # launches that share a parameter block share its binding
-    for launch, kernel in zip(plan.launches, plan.kernels):
-        params = bound.get(id(launch.params))
-        if params is None:
-            params = bound[id(launch.params)] = launch.bound(tensors, driver.replace_tensor_map_address)
-        driver.launch(kernel.handle, launch.grid, (launch.entry.threads, 1, 1), launch.entry.smem_bytes, stream,
-                      params)
+    stream = _current_stream(device)
+    driver.bind_context(device)
+    replace_address = driver.replace_tensor_map_address
+    blocks: list[ctypes.Structure] = []  # each launch's bound block; launches that share a block share its binding
+    for launch, kernel, grid, block, smem_bytes, shared in plan.steps:
+        params = launch.bound(tensors, replace_address) if shared is None else blocks[shared]
+        blocks.append(params)
+        driver.launch(kernel, grid, block, smem_bytes, stream, params)

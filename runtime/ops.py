@@ -132,14 +132,14 @@ def _save(ctx, q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q, 
 
 
 def _gradients(ctx, dout, dlse, backward) -> tuple:
-    """The forward's input gradients through `backward` (the backward op, or in eager mode
-    _gradients_or_none: the same function without the op's placeholder outputs)."""
+    """The gradients of q, k, v, bias and sink through `backward` (the backward op, or in eager
+    mode _gradients_or_none: the same function without the op's placeholder outputs)."""
     q, k, v, bias, sink, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     bias_grad, sink_grad = bool(ctx.needs_input_grad[3]), bool(ctx.needs_input_grad[4])
     dq, dk, dv, dbias, dsink = backward(dout, q, k, v, out, lse, dlse, bias, bias_grad, sink, sink_grad, ctx.causal,
                                         ctx.scale, ctx.deterministic, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen,
                                         *ctx.window, ctx.softcap)
-    return (dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None) + (None,) * 10
+    return dq, dk, dv, dbias if bias_grad else None, dsink if sink_grad else None
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -147,7 +147,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout, dlse):
-    return _gradients(ctx, dout, dlse, attention_backward_op)
+    return _gradients(ctx, dout, dlse, attention_backward_op) + (None,) * 10  # the op's other inputs
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -159,23 +159,36 @@ class _EagerAttention(torch.autograd.Function):
     the custom ops instead (`_attention`)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings):
         ctx.set_materialize_grads(False)  # an unused LSE gives dlse None, not zeros
+        inputs = _op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings)
         out, lse = _forward(*inputs)
         _save(ctx, *inputs, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _gradients(ctx, dout, dlse, _gradients_or_none)
+        return _gradients(ctx, dout, dlse, _gradients_or_none) + (None,) * 3  # cu_seqlens_q, cu_seqlens_k, settings
 
 
-def _attention(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of attention_forward_op's arguments, differentiable: the custom op under
-    torch.compile, the same functions through a plain autograd.Function in eager mode."""
+def _op_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+               sink: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+               cu_seqlens_k: Optional[torch.Tensor], settings: tuple) -> tuple:
+    """_attention's arguments in attention_forward_op's order."""
+    causal, scale, deterministic, *rest = settings
+    return q, k, v, bias, sink, causal, scale, deterministic, cu_seqlens_q, cu_seqlens_k, *rest
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+               sink: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+               cu_seqlens_k: Optional[torch.Tensor], settings: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse), differentiable: the custom op under torch.compile, the same functions through a
+    plain autograd.Function in eager mode. `settings`: the op's other arguments, in its order
+    (causal, scale, deterministic, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap);
+    apart from the tensors, so that autograd's apply looks at 8 arguments, not 15."""
     if torch.compiler.is_compiling():
-        return attention_forward_op(*inputs)
-    return _EagerAttention.apply(*inputs)
+        return attention_forward_op(*_op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings))
+    return _EagerAttention.apply(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings)
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -216,8 +229,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # A bool mask becomes its additive bias here, once, not in both the forward and the backward.
     attn_mask = None if attn_mask is None else additive(attn_mask, query.dtype)
-    out, _ = _attention(query, key, value, attn_mask, sink, "top_left" if is_causal else "none", scale, deterministic,
-                        None, None, 0, 0, *checks.window_pair(window_size), _softcap_arg(softcap))
+    out, _ = _attention(query, key, value, attn_mask, sink, None, None,
+                        ("top_left" if is_causal else "none", scale, deterministic, 0, 0,
+                         *checks.window_pair(window_size), _softcap_arg(softcap)))
     return out.squeeze(1) if three_d else out
 
 
@@ -246,6 +260,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         PackedBatch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).validate(q.shape[0], k.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     bias = None if bias is None else additive(bias, q.dtype)  # once (see scaled_dot_product_attention)
-    out, _ = _attention(q, k, v, bias, sink, causal or "none", scale, deterministic, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, *checks.window_pair(window_size), _softcap_arg(softcap))
+    out, _ = _attention(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k,
+                        (causal or "none", scale, deterministic, max_seqlen_q, max_seqlen_k,
+                         *checks.window_pair(window_size), _softcap_arg(softcap)))
     return out

@@ -36,7 +36,7 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
     q, k, v, out = call.q, call.k, call.v, call.out
     shape = call.shape
     # Portable kernels read the sequence bounds at run time: their packed=false variants take packed batches.
-    entry = registry.find({**call.request(NAME), "packed": False}, target.capability)
+    entry = registry.find({**call.request(NAME), "packed": False}, *target.limits)
     params = FwdParams(
         **inputs.stride_fields("q", q), **inputs.stride_fields("k", k), **inputs.stride_fields("v", v),
         **inputs.stride_fields("o", out), **(call.bias.stride_fields() if call.bias is not None else {}),
@@ -71,8 +71,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         route, (main, dq_kernel) = "workspace", workspace_kernels
     else:
         route, dq_kernel = dq_routes.fallback_route(deterministic), None
-        main = registry.find(call.request(NAME), target.capability)
-    pre = registry.find(call.kernel_request("bwd_pre", NAME), target.capability)
+        main = registry.find(call.request(NAME), *target.limits)
+    pre = registry.find(call.kernel_request("bwd_pre", NAME), *target.limits)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
     sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows
     f32 = torch.float32
@@ -117,7 +117,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     if dq_kernel is not None:
         last, last_grid = dq_kernel, (ceil_div(sq, tile_m), hq, b)
     else:
-        last = registry.find(call.kernel_request("bwd_post", NAME), target.capability)
+        last = registry.find(call.kernel_request("bwd_post", NAME), *target.limits)
         last_grid = (ceil_div(sq, last.descriptor["tile_m"]), hq, b)
     launches = [KernelLaunch.planned(pre, (ceil_div(sq_rounded, pre.descriptor["tile_m"]), hq, b), params, tensors),
                 KernelLaunch.planned(main, (key_tiles, hq, b), params, tensors),
@@ -148,8 +148,8 @@ def _workspace_kernels(call: BackwardCall, shape: BatchShape, deterministic: boo
     try:
         # The deterministic main kernel is the one that can store dS (even for a call that is not).
         main = registry.find(call.kernel_request("bwd", NAME, causal=call.causal, deterministic=True,
-                                                 bias="none" if call.bias is None else "additive"), target.capability)
-        dq_kernel = registry.find(call.kernel_request("bwd_dq", NAME, causal=call.causal), target.capability)
+                                                 bias="none" if call.bias is None else "additive"), *target.limits)
+        dq_kernel = registry.find(call.kernel_request("bwd_dq", NAME, causal=call.causal), *target.limits)
     except VariantNotFoundError:
         if strict:
             raise

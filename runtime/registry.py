@@ -113,14 +113,19 @@ class KernelRegistry:
         return self._driver
 
     # -- lookup ------------------------------------------------------------------------------
-    def find(self, request: dict[str, Any], capability: tuple[int, int]) -> KernelEntry:
+    def find(self, request: dict[str, Any], capability: tuple[int, int],
+             smem_limit: int | None = None) -> KernelEntry:
         """The default (first) tuning of `request` (every functional field but arch) for the best
-        arch that runs on `capability`."""
-        return self.tunings(request, capability)[0]
+        arch that runs on `capability` (see tunings)."""
+        return self.tunings(request, capability, smem_limit)[0]
 
-    def tunings(self, request: dict[str, Any], capability: tuple[int, int]) -> list[KernelEntry]:
+    def tunings(self, request: dict[str, Any], capability: tuple[int, int],
+                smem_limit: int | None = None) -> list[KernelEntry]:
         """Every tuning of `request` for the best arch that runs on `capability` that has it, the
-        default first (a family's planner chooses among them per call); with JIT, compiled on a miss."""
+        default first (a family's planner chooses among them per call); with JIT, compiled on a miss.
+        `smem_limit`: the device's shared memory per block (opt-in); tunings that need more are
+        left out (an sm_80 cubin's tiles may not fit an sm_86 part), and an arch none of whose
+        tunings fit gives way to the next; ArchMismatchError where none fits at all."""
         request = with_later_defaults(request)
         runnable = [a.name for a in arch_preference(capability)]
         built_archs = self._built_archs
@@ -133,11 +138,16 @@ class KernelRegistry:
                 f"(needs one of: {', '.join(runnable) or 'an arch flashkiln does not know'}); "
                 "add the arch to the specs and run `make generate`"
             )
+        too_large: list[KernelEntry] = []
         for arch in runnable:
             fields = {**request, "arch": arch}
-            entries = self._index.get(tuple(fields[k] for k in FUNCTIONAL_FIELDS))
-            if entries:
-                return entries
+            entries = self._index.get(tuple(fields[k] for k in FUNCTIONAL_FIELDS), [])
+            fitting = [e for e in entries if smem_limit is None or e.smem_bytes <= smem_limit]
+            if fitting:
+                return fitting
+            too_large += entries
+        if too_large:
+            raise ArchMismatchError(self._too_large_message(too_large, capability, smem_limit))
         if self.jit_cache is not None:
             return [self._jit_entry(request, runnable)]
         wanted = {**request, "arch": next(a for a in runnable if a in built_archs)}
@@ -181,6 +191,17 @@ class KernelRegistry:
             else:
                 raise VariantNotFoundError("no generated kernel, and JIT cannot build one: " + "; ".join(problems))
         return self._jit_entries[key]
+
+    def _too_large_message(self, entries: list[KernelEntry], capability: tuple[int, int], smem_limit: int) -> str:
+        smallest = min(entries, key=lambda e: e.smem_bytes)
+        native = arch_preference(capability)[0].name
+        d = smallest.descriptor
+        dims = d["d_qk"] if d["d_qk"] == d["d_v"] else f"{d['d_qk']}x{d['d_v']}"
+        return (f"{smallest.name} ({smallest.arch} cubin) needs {smallest.smem_bytes} bytes of shared memory per "
+                f"block; this GPU (compute capability {capability[0]}.{capability[1]}) allows {smem_limit}, and no "
+                f"other generated tuning fits. Build its own arch: add {native} to `arch:` of the group in "
+                f"{smallest.spec} and a row {d['kernel']}: {native}: {dims}: {{...}} that fits to its tuning "
+                "table, then run `make generate`")
 
     def _not_found_message(self, wanted: dict[str, Any]) -> str:
         def distance(e: KernelEntry) -> int:
@@ -267,6 +288,7 @@ class KernelRegistry:
             except KernelIntegrityError as exc:
                 problems.append(str(exc))
         return problems
+
 
 @functools.lru_cache(maxsize=1)
 def default_registry() -> KernelRegistry:

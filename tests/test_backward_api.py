@@ -15,11 +15,13 @@ from flashkiln.registry import KernelRegistry
 from test_registry import FakeDriver, kernel_entry, planned_backward, write_manifest
 
 TILES = {"bwd": (64, 128, 8, 2), "bwd_pre": (16, 1, 4, 1), "bwd_post": (16, 1, 4, 1), "bwd_dq": (64, 128, 4, 2)}
+# Above head dim 128 the key tiles halve, as in specs/tuning/portable.yaml (else no shared memory fits them).
+WIDE_TILES = {**TILES, "bwd": (64, 64, 8, 2), "bwd_dq": (64, 64, 8, 2)}
 
 
 def bwd_descriptor(kernel: str, causal="none", deterministic=False, d=128, tiles=None,
                    bias="none") -> VariantDescriptor:
-    tile_m, tile_n, warps, stages = tiles or TILES[kernel]
+    tile_m, tile_n, warps, stages = tiles or (WIDE_TILES if d > 128 else TILES)[kernel]
     return VariantDescriptor(kernel=kernel, family="portable", arch="sm_90a", dtype="bf16", d_qk=d, d_v=d,
                              causal=causal, bias=bias, deterministic=deterministic, tile_m=tile_m, tile_n=tile_n,
                              warps=warps, stages=stages)

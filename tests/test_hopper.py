@@ -385,7 +385,7 @@ def test_the_hopper_backward_takes_only_its_route(monkeypatch, deterministic, fo
         pass
 
     class Registry:  # past the route check, the planner looks its kernels up
-        def find(self, request, capability):
+        def find(self, request, capability, smem_limit=None):
             raise LookedUp
 
     plan = lambda: _plan_hopper_backward(call, Registry())

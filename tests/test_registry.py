@@ -15,6 +15,7 @@ from flashkiln.descriptor import VariantDescriptor
 from flashkiln.errors import ArchMismatchError, KernelIntegrityError, ManifestError, VariantNotFoundError
 from flashkiln.manifest import MANIFEST_NAME, KernelEntry, Manifest
 from flashkiln.params import FwdParams, params_layout
+from flashkiln.archs import arch_preference
 from flashkiln.launch import ScratchSet, Target
 from flashkiln.registry import KernelRegistry
 
@@ -66,9 +67,10 @@ def fake_cubin(d: VariantDescriptor) -> bytes:
 
 
 def kernel_entry(d: VariantDescriptor, **overrides) -> KernelEntry:
+    from flashkiln.generator.families import FAMILIES  # here: the installed-wheel test imports this module
+
     image = fake_cubin(d)
-    element_bytes = 2
-    smem = element_bytes * (d.tile_m * max(d.d_qk, d.d_v) + d.stages * d.tile_n * (d.d_qk + d.d_v))
+    smem = FAMILIES[d.family].smem_bytes(d)
     fields = dict(
         hash=d.hash, name=d.name, symbol=d.symbol, arch=d.arch, descriptor=d.as_dict(), cubin=f"{d.name}.cubin",
         sha256=hashlib.sha256(image).hexdigest(), cubin_bytes=len(image), threads=32 * d.warps, smem_bytes=smem,
@@ -396,7 +398,7 @@ def test_a_driver_older_than_the_kernels_toolkit_is_a_typed_error(tmp_path):
 # -- the portable family's planners, called as the runtime calls them (CPU tensors, a faked GPU) ---
 
 def fake_target(capability=(9, 0), memory=141 << 30) -> Target:
-    return Target(0, capability, memory, 132, 60 << 20)
+    return Target(0, capability, memory, 132, 60 << 20, arch_preference(capability)[0].max_smem_per_block)
 
 
 def planned_forward(q, k, v, out, lse, causal, scale, bias, capability, registry, sink=None, packed=None,

@@ -33,7 +33,7 @@ def test_shards_partition_the_default_specs_deterministically(count):
 
 
 def test_filter_and_exclude():
-    selected = Selection(pattern="^fwd_", exclude="sm80").variants(
+    selected = Selection(pattern="^fwd_", exclude="sm80|sm86|sm120").variants(
         [v for u in plan_units(REPO / "specs") for v in u.variants])
     assert selected and all(v.descriptor.kernel == "fwd" and v.descriptor.arch == "sm_90a" for v in selected)
 
@@ -43,14 +43,15 @@ def test_arch_selection_takes_the_named_archs_only():
     sm80 = Selection(archs=("sm_80",)).variants(every)
     assert sm80 and {v.descriptor.arch for v in sm80} == {"sm_80"}
     both = Selection(archs=parse_archs("sm_80, sm_90a,sm_80")).variants(every)
-    assert len(both) == len(every)
+    assert {v.descriptor.arch for v in both} == {"sm_80", "sm_90a"}
+    assert len(both) == sum(v.descriptor.arch in ("sm_80", "sm_90a") for v in every)
     units = plan_units(REPO / "specs", Selection(archs=("sm_90a",)))
     assert units and all(v.descriptor.arch == "sm_90a" for u in units for v in u.variants)
     assert Selection(archs=("sm_90a",)).describe()["archs"] == ["sm_90a"]
 
 
 def test_an_arch_the_specs_do_not_list_is_named():
-    with pytest.raises(ValueError, match=r"archs sm_75: the specs list kernels for sm_80, sm_90a only"):
+    with pytest.raises(ValueError, match=r"archs sm_75: the specs list kernels for sm_80, sm_86, sm_90a, sm_120 only"):
         plan_units(REPO / "specs", Selection(archs=("sm_75", "sm_90a")))
     with pytest.raises(ValueError, match="comma-separated"):
         parse_archs(" , ")
@@ -62,7 +63,9 @@ def test_make_passes_archs_to_the_generator():
     assert result.returncode == 0, result.stderr
     assert "generate --specs specs --out generated" in result.stdout and "--archs sm_80,sm_90a" in result.stdout
     plain = subprocess.run(["make", "-n", "generate"], cwd=REPO, capture_output=True, text=True)
-    assert "--archs" not in plain.stdout
+    assert "--archs sm_90a" in plain.stdout  # the default set
+    every = subprocess.run(["make", "-n", "generate", "ARCHS=all"], cwd=REPO, capture_output=True, text=True)
+    assert "--archs" not in every.stdout
 
 
 @pytest.mark.parametrize("text", ["2/2", "a/3", "1", "-1/2", "3/2"])

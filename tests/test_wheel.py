@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from flashkiln.generator.wheel import WheelError, build_wheel
+from flashkiln.generator.build import Selection
+from flashkiln.generator.wheel import WheelError, build_wheel, build_wheels_per_arch
 
 pytestmark = pytest.mark.nvrtc
 
@@ -44,8 +45,8 @@ def run(python: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(python), *args], capture_output=True, text=True, cwd="/")
 
 
-def test_wheel_is_named_by_flavor_and_requires_no_generator(wheel):
-    assert wheel.path.name.startswith("flashkiln-0.1.0+cu13-") and wheel.path.name.endswith(".whl")
+def test_wheel_is_named_by_flavor_and_archs_and_requires_no_generator(wheel):
+    assert wheel.path.name.startswith("flashkiln-0.1.0+cu13.sm80.sm90a-") and wheel.path.name.endswith(".whl")
     with zipfile.ZipFile(wheel.path) as z:
         names = z.namelist()
         metadata = z.read(next(n for n in names if n.endswith("dist-info/METADATA"))).decode()
@@ -67,10 +68,26 @@ def test_wheel_size_per_arch_is_reported_and_bounded(wheel, tiny_specs, build_ca
         build_wheel(tiny_specs, tmp_path, workers=2, cache_dir=build_cache, progress=False, max_mib_per_arch=0.5)
 
 
+def test_one_wheel_per_arch_holds_that_arch_only(tiny_specs, build_cache, tmp_path):
+    reports = build_wheels_per_arch(tiny_specs, tmp_path, workers=2, cache_dir=build_cache, progress=False)
+    assert [r.path.name.split("-")[1] for r in reports] == ["0.1.0+cu13.sm80", "0.1.0+cu13.sm90a"]
+    for report, arch in zip(reports, ("sm_80", "sm_90a")):
+        assert set(report.cubin_bytes_per_arch) == {arch}
+        with zipfile.ZipFile(report.path) as z:
+            manifest = json.loads(z.read("flashkiln/kernels/manifest.json"))
+            assert {k["arch"] for k in manifest["kernels"]} == {arch}
+            assert all(f"flashkiln/kernels/{k['cubin']}" in z.namelist() for k in manifest["kernels"])
+    only = build_wheels_per_arch(tiny_specs, tmp_path / "one", workers=2, selection=Selection(archs=("sm_90a",)),
+                                 cache_dir=build_cache, progress=False)
+    assert [set(r.cubin_bytes_per_arch) for r in only] == [{"sm_90a"}]
+
+
 def test_installed_wheel_lists_and_verifies_its_kernels(venv):
     listed = run(venv, "-m", "flashkiln", "list")
     assert listed.returncode == 0, listed.stderr
     assert len(listed.stdout.splitlines()) == 4 and "fwd_portable_sm90a_bf16_d32" in listed.stdout
+    assert "sm_80: 2 variant(s)" in listed.stderr and "runs on compute capability 8.0, 8.6, 8.9" in listed.stderr
+    assert "sm_90a: 2 variant(s)" in listed.stderr
     verified = run(venv, "-m", "flashkiln", "verify")
     assert verified.returncode == 0 and "all cubins match" in verified.stdout
 
@@ -122,7 +139,7 @@ def test_cuda12_flavor_builds_from_the_same_specs(tmp_path, tiny_specs):
                              "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--no-progress", "-j", "2"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    (wheel_path,) = tmp_path.glob("flashkiln-0.1.0+cu12-*.whl")
+    (wheel_path,) = tmp_path.glob("flashkiln-0.1.0+cu12.sm80.sm90a-*.whl")
     with zipfile.ZipFile(wheel_path) as z:
         manifest = json.loads(z.read("flashkiln/kernels/manifest.json"))
         metadata = z.read(next(n for n in z.namelist() if n.endswith("dist-info/METADATA"))).decode()

@@ -75,7 +75,7 @@ def main() -> None:
     row("  forward._key", lambda: forward._key(q, k, v, None, None, None, None, None, None, None, None, None))
     row("  PLANS.get", lambda: forward.PLANS.get(key))
     row("  empty out + empty lse", lambda: (inputs.empty_in_memory_order(q, 64),
-                                             torch.empty((1, 1, 128), dtype=torch.float32, device=q.device)))
+                                            torch.empty((1, 1, 128), dtype=torch.float32, device=q.device)))
     row("  torch.empty (one)", lambda: torch.empty((1, 1, 128), dtype=torch.float32, device=q.device))
     row("  forward_tensors", lambda: forward_tensors(q, k, v, out, lse, None, None, None))
     row("  launch.run", lambda: launch.run(plan, tensors))
@@ -99,8 +99,8 @@ def main() -> None:
         ops.scaled_dot_product_attention(*leaves)
 
     def raw_pair() -> None:
-        o, l = flashkiln.attention_forward(q, k, v)
-        flashkiln.attention_backward(dout, q, k, v, o, l)
+        o, stats = flashkiln.attention_forward(q, k, v)
+        flashkiln.attention_backward(dout, q, k, v, o, stats)
 
     row("training step, flashkiln SDPA", train(ops.scaled_dot_product_attention))
     row("  SDPA forward with autograd inputs, no backward", graph_only)

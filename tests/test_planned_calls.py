@@ -1,0 +1,351 @@
+"""A planned call's hit path on the CPU: the lean driver launch (a fake cuda.bindings module), the
+launch loop, the plans' straight paths against their full ones (a fake driver), and the eager
+autograd.Function's arguments (fake forward and backward)."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import struct
+import types
+
+import pytest
+import torch
+
+import flashkiln
+from flashkiln import backward, families, forward, inputs, ops
+from flashkiln.calls import BackwardCall, ForwardCall
+from flashkiln.driver import CudaDriver
+from flashkiln.errors import CudaError
+from flashkiln.launch import KernelLaunch, Scratch, load_kernels, run
+from flashkiln.params import HopperFwdParams, params_layout
+from flashkiln.registry import KernelRegistry
+from flashkiln.varlen import PackedBatch
+from test_backward_api import bwd_descriptor
+from test_registry import FakeDriver, descriptor, fake_target, kernel_entry, write_manifest
+
+
+# -- the lean launch, against a fake cuda.bindings.driver -----------------------------------------
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_LAUNCH_FAILED = 719
+
+
+class FakeCu(types.SimpleNamespace):
+    """What CudaDriver calls of cuda.bindings.driver, recording launches and failing on demand."""
+
+    def __init__(self):
+        super().__init__(CUresult=CUresult, launches=[], built=[], error=CUresult.CUDA_SUCCESS)
+
+    def cuInit(self, flags):
+        return (CUresult.CUDA_SUCCESS,)
+
+    def CUfunction(self, address):
+        self.built.append(("function", address))
+        return ("function", address)
+
+    def CUstream(self, handle):
+        self.built.append(("stream", handle))
+        return ("stream", handle)
+
+    def CUtensorMap(self, _ptr):
+        return ("tensor map", _ptr)
+
+    def cuLaunchKernel(self, *args):
+        self.launches.append(args)
+        return (self.error,)
+
+    def cuTensorMapReplaceAddress(self, tensor_map, address):
+        return (self.error,)
+
+    def cuGetErrorName(self, err):
+        return CUresult.CUDA_SUCCESS, err.name.encode()
+
+    def cuGetErrorString(self, err):
+        return CUresult.CUDA_SUCCESS, b"unspecified launch failure"
+
+
+@pytest.fixture
+def fake_cu(monkeypatch):
+    import cuda.bindings
+
+    cu = FakeCu()
+    monkeypatch.setattr(cuda.bindings, "driver", cu)
+    return cu
+
+
+def test_a_launch_hands_cuLaunchKernel_its_arguments_and_builds_each_handle_once(fake_cu):
+    driver = CudaDriver()
+    params = HopperFwdParams(batch=3)
+    for stream in (7, 7, 9):
+        driver.launch(0x1230, (132, 2, 1), (384, 1, 1), 200_000, stream, params)
+    assert fake_cu.built == [("function", 0x1230), ("stream", 7), ("stream", 9)]
+    *head, kernel_params, extra = fake_cu.launches[-1]
+    assert head == [("function", 0x1230), 132, 2, 1, 384, 1, 1, 200_000, ("stream", 9)] and extra == 0
+    # kernelParams: one pointer, to the parameter block itself (its one by-value struct argument).
+    assert struct.unpack("P", kernel_params) == (ctypes.addressof(params),)
+
+
+@pytest.mark.parametrize("call, what", [
+    (lambda d: d.launch(0x1230, (1, 1, 1), (128, 1, 1), 0, 7, HopperFwdParams()), "cuLaunchKernel"),
+    (lambda d: d.replace_tensor_map_address(0x5000, 0x6000), "cuTensorMapReplaceAddress"),
+])
+def test_a_failed_per_call_driver_call_is_a_cuda_error_named_by_the_driver(fake_cu, call, what):
+    driver = CudaDriver()
+    fake_cu.error = CUresult.CUDA_ERROR_LAUNCH_FAILED
+    with pytest.raises(CudaError, match=rf"^{what} failed: CUDA_ERROR_LAUNCH_FAILED \(unspecified launch failure\)$"):
+        call(driver)
+
+
+# -- plans on the CPU, with a faked GPU ----------------------------------------------------------
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Device 0 current, stream 7: the torch calls launch.run makes (a CPU build has neither)."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLASHKILN_BACKWARD_ROUTE", raising=False)
+    monkeypatch.delenv("FLASHKILN_BACKWARD_WORKSPACE_MIB", raising=False)
+    variants = [descriptor(d=64, causal="none")] + [bwd_descriptor(k, d=64) for k in ("bwd", "bwd_pre", "bwd_post")]
+    entries = [kernel_entry(d, params_layout=params_layout(d.kernel).digest) for d in variants]
+    return KernelRegistry(write_manifest(tmp_path, entries), driver=FakeDriver())
+
+
+def qkv(hq=2, hkv=2, s=16, d=64, bshd=False):
+    def make(h):
+        t = torch.randn(1, s, h, d, dtype=torch.bfloat16)
+        return t.transpose(1, 2) if bshd else t.transpose(1, 2).contiguous()
+    return make(hq), make(hkv), make(hkv)
+
+
+def plan_fields(registry, launches, scratch, q, k, v) -> dict:
+    target = fake_target()
+    launches = tuple(launches)
+    return dict(registry=registry, target=target, launches=launches, scratch=tuple(scratch.specs), causal="none",
+                window=None, softcap=None, scale=0.125, scores=(*q.shape[:3], k.shape[2]), dims=(64, 64),
+                kernels=load_kernels(registry, target, launches))
+
+
+def forward_plan(registry, q, k, v) -> forward.ForwardPlan:
+    """The portable plan plan_forward makes for q, k, v (which it would refuse on the CPU)."""
+    call = ForwardCall(q, k, v, inputs.empty_in_memory_order(q, 64), torch.empty(q.shape[:3]), "none", 0.125)
+    family, launches, scratch = families.plan("forward", call, "portable", fake_target(), registry, q.device)
+    return forward.ForwardPlan(family=family, copies=(False,) * 3, fresh=forward.fresh_outputs(call.out, call.lse),
+                               **plan_fields(registry, launches, scratch, q, k, v))
+
+
+def backward_plan(registry, q, k, v) -> backward.BackwardPlan:
+    """The portable plan plan_backward makes for q, k, v (which it would refuse on the CPU)."""
+    out, lse = torch.randn_like(q), torch.randn(q.shape[:3])
+    grads = [inputs.empty_gradient_like(t) for t in (q, k, v)]
+    call = BackwardCall(torch.randn_like(q), q, k, v, out, lse, *grads, "none", 0.125, False)
+    family, planned, scratch = families.plan("backward", call, "portable", fake_target(), registry, q.device)
+    return backward.BackwardPlan(family=family, route=planned.route, deterministic=False, copies=False,
+                                 grad_strides=tuple(g.stride() for g in grads), bias_grad=False, sink_grad=False,
+                                 sink_parts=False, fresh=backward.fresh_gradients(grads),
+                                 **plan_fields(registry, planned.launches, scratch, q, k, v))
+
+
+def recorded_runs(monkeypatch, module) -> list[dict]:
+    """The tensors by role that `module`'s plans hand launch.run from now on."""
+    runs: list[dict] = []
+    monkeypatch.setattr(module, "run", lambda plan, tensors: runs.append(dict(tensors)) or run(plan, tensors))
+    return runs
+
+
+def assert_same_roles(straight: dict, full: dict, outputs: tuple[str, ...]) -> None:
+    """The same roles, the same input tensors, and outputs (fresh in each path) of one layout."""
+    assert straight.keys() == full.keys()
+    for role, tensor in straight.items():
+        if role in outputs or tensor is None or full[role] is None:
+            assert (tensor is None) == (full[role] is None), role
+            if tensor is not None:
+                assert (tensor.shape, tensor.stride(), tensor.dtype) == (full[role].shape, full[role].stride(),
+                                                                         full[role].dtype), role
+        else:
+            assert tensor is full[role], role
+
+
+# -- the launch loop -----------------------------------------------------------------------------
+
+def test_launches_that_share_a_parameter_block_get_one_binding(registry, fake_gpu):
+    q, k, v = qkv()
+    plan = backward_plan(registry, q, k, v)
+    assert len({id(launch.params) for launch in plan.launches}) == 1 < len(plan.launches)
+    plan.run(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(q.shape[:3]), None, None, None, None,
+             None, None, None)
+    launched = registry.driver.named("launch")
+    planned = [(kernel.handle, launch.grid, (launch.entry.threads, 1, 1), launch.entry.smem_bytes)
+               for launch, kernel in zip(plan.launches, plan.kernels)]
+    assert [c[1:5] for c in launched] == planned
+    assert {c[5] for c in launched} == {7} and all(c[6] is launched[0][6] for c in launched)
+
+
+def test_a_tensor_map_is_repointed_only_when_its_tensor_moved(registry, fake_gpu):
+    q, k, v = qkv()
+    moved = torch.randn_like(q)
+    planned = {"tma_q": ("q", q.data_ptr()), "tma_k": ("k", k.data_ptr()), "tma_v": ("v", moved.data_ptr())}
+    launch = KernelLaunch(registry.find({"kernel": "fwd", "family": "portable", "dtype": "bf16", "d_qk": 64,
+                                         "d_v": 64, "causal": "none", "bias": "none", "deterministic": False},
+                                        (9, 0)), (1, 1, 1), HopperFwdParams(),
+                          tensor_maps=tuple((name, role, at) for name, (role, at) in planned.items()))
+    params = launch.bound({"q": q, "k": k, "v": v}, registry.driver.replace_tensor_map_address)
+    assert registry.driver.named("replace_tensor_map_address") == [
+        ("replace_tensor_map_address", ctypes.addressof(params) + HopperFwdParams.tma_v.offset, v.data_ptr())]
+
+
+# -- the forward's straight path -----------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["bhsd", "bshd", "scratch"])
+def test_the_straight_forward_launches_what_the_full_path_does(registry, fake_gpu, monkeypatch, case):
+    q, k, v = qkv(bshd=case == "bshd")
+    plan = forward_plan(registry, q, k, v)
+    if case == "scratch":  # the hopper forward's tile counter, say
+        plan = dataclasses.replace(plan, scratch=(Scratch("tile_counter", (1,), torch.int32, True),))
+    runs = recorded_runs(monkeypatch, forward)
+    straight = [plan.run(q, k, v, None, None, None) for _ in range(2)]
+    full = plan._run(q, k, v, None, None, None, None, None)
+    for out, lse in straight:
+        for mine, theirs in ((out, full[0]), (lse, full[1])):
+            assert (mine.shape, mine.stride(), mine.dtype, mine._base is None) == \
+                (theirs.shape, theirs.stride(), theirs.dtype, theirs._base is None)
+    assert runs[0]["o"] is straight[0][0] and runs[0]["lse"] is straight[0][1]
+    assert_same_roles(runs[1], runs[2], outputs=("o", "lse", *(spec.role for spec in plan.scratch)))
+    assert len(registry.driver.named("launch")) == 3
+
+
+def test_a_plan_without_fresh_outputs_takes_the_full_path(registry, monkeypatch):
+    """plan_forward gives a plan fresh outputs only for a dense call without bias, sink, padded head
+    dims, layout copies or given outputs: every other plan runs the full path."""
+    q, k, v = qkv()
+    plan = dataclasses.replace(forward_plan(registry, q, k, v), fresh=None)
+    full = []
+    monkeypatch.setattr(forward.ForwardPlan, "_run", lambda *a: full.append(a) or "full path")
+    assert plan.run(q, k, v, None, None, None) == "full path" and len(full) == 1
+
+
+def test_given_outputs_take_the_full_path(registry, fake_gpu, monkeypatch):
+    q, k, v = qkv()
+    plan = forward_plan(registry, q, k, v)
+    full = []
+    monkeypatch.setattr(forward.ForwardPlan, "_run", lambda *a: full.append(a) or "full path")
+    assert plan.run(q, k, v, None, None, None, out=torch.empty_like(q)) == "full path"
+    assert plan.run(q, k, v, None, None, None, lse=torch.empty(q.shape[:3])) == "full path"
+    assert len(full) == 2
+
+
+def test_a_cached_forward_plan_serves_attention_forward_straight(registry, fake_gpu, monkeypatch):
+    q, k, v = qkv()
+    plan = forward_plan(registry, q, k, v)
+    forward.PLANS.put(forward._key(q, k, v, None, None, None, None, None, None, None, None, None), plan)
+    monkeypatch.setattr(forward, "plan_forward", lambda *a: pytest.fail("a cached call planned"))
+    out, lse = flashkiln.attention_forward(q, k, v)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert len(registry.driver.named("launch")) == 1
+
+
+# -- the backward's straight path ----------------------------------------------------------------
+
+def backward_arguments(q):
+    return torch.randn_like(q), torch.randn_like(q), torch.randn(q.shape[:3])  # dout, out, lse
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_the_straight_backward_launches_what_the_full_path_does(registry, fake_gpu, monkeypatch, with_dlse):
+    q, k, v = qkv()
+    dout, out, lse = backward_arguments(q)
+    dlse = torch.randn(q.shape[:3]) if with_dlse else None
+    plan = backward_plan(registry, q, k, v)
+    runs = recorded_runs(monkeypatch, backward)
+    straight = plan.run(dout, q, k, v, out, lse, dlse, None, None, None, None, None, None)
+    full = plan._run(dout, q, k, v, out, lse, dlse, None, None, None, None, None, None)
+    assert len(straight) == len(full) == 3
+    for mine, theirs in zip(straight, full):
+        assert (mine.shape, mine.stride(), mine.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
+    assert [runs[0][role] for role in ("dq", "dk", "dv")] == list(straight)
+    scratch = {spec.role for spec in plan.scratch}
+    assert_same_roles(runs[0], runs[1], outputs=("dq", "dk", "dv", *scratch))
+
+
+@pytest.mark.parametrize("case", ["no fresh gradients", "buffers"])
+def test_backward_calls_that_need_more_than_the_launches_take_the_full_path(registry, monkeypatch, case):
+    """plan_backward gives fresh gradients only to dense calls without bias, sink, padded head dims,
+    layout copies, GQA sums or given buffers; a plan without them, or a call with buffers, runs
+    the full path."""
+    q, k, v = qkv()
+    plan = backward_plan(registry, q, k, v)
+    plan = dataclasses.replace(plan, fresh=None) if case == "no fresh gradients" else plan
+    buffer = torch.empty_like(q) if case == "buffers" else None
+    full = []
+    monkeypatch.setattr(backward.BackwardPlan, "_run", lambda *a: full.append(a) or "full path")
+    dout, out, lse = backward_arguments(q)
+    assert plan.run(dout, q, k, v, out, lse, None, None, None, None, buffer, None, None) == "full path"
+    assert len(full) == 1
+
+
+# -- the eager autograd.Function and the compiled custom op -------------------------------------
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_the_eager_sdpa_passes_the_call_through_and_routes_each_gradient(monkeypatch, bias_grad):
+    seen = {}
+
+    def fake_forward(q, k, v, **kwargs):
+        seen["forward"] = kwargs
+        return torch.zeros_like(q), torch.zeros(q.shape[:3])
+
+    def fake_backward(dout, q, k, v, out, lse, **kwargs):
+        seen["backward"] = kwargs
+        grads = tuple(torch.full_like(t, float(i)) for i, t in enumerate((q, k, v), start=1))
+        extra = (torch.full_like(kwargs["bias"], 4.0),) if kwargs["bias_grad"] else ()
+        return (*grads, *extra, torch.full_like(kwargs["sink"], 5.0))
+
+    monkeypatch.setattr(ops, "attention_forward", fake_forward)
+    monkeypatch.setattr(ops, "attention_backward", fake_backward)
+    q, k, v = (t.requires_grad_() for t in qkv(s=8))
+    bias = torch.zeros(8, 8, dtype=q.dtype, requires_grad=bias_grad)
+    sink = torch.zeros(2, requires_grad=True)
+    out = ops.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=True, sink=sink, window_size=(4, 0),
+                                           softcap=5.0, deterministic=True)
+    out.backward(torch.ones_like(out))
+    given = dict(causal="top_left", window_size=(4, 0), softcap=5.0, scale=0.125, packed=None)
+    assert {name: seen["forward"][name] for name in given} == given
+    assert seen["forward"]["bias"] is bias and seen["forward"]["sink"] is sink
+    assert {name: seen["backward"][name] for name in given} == given
+    assert seen["backward"]["dlse"] is None and seen["backward"]["deterministic"] is True
+    assert (seen["backward"]["bias_grad"], seen["backward"]["sink_grad"]) == (bias_grad, True)
+    assert [t.grad.unique().tolist() for t in (q, k, v, sink)] == [[1.0], [2.0], [3.0], [5.0]]
+    assert (bias.grad is not None and bias.grad.unique().tolist() == [4.0]) if bias_grad else bias.grad is None
+
+
+def test_the_eager_varlen_attention_passes_the_packed_batch(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(ops, "attention_forward", lambda q, k, v, **kw: seen.update(kw) or (q.clone(), None))
+    q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    ops.varlen_attention(q, q, q, cu, cu, 5, 5, causal="bottom_right", window_size=(2, 0))
+    assert seen["packed"] == PackedBatch(cu, cu, 5, 5) and seen["causal"] == "bottom_right"
+    assert seen["window_size"] == (2, 0) and seen["softcap"] == 0.0 and seen["scale"] == 0.125
+
+
+def test_torch_compile_traces_the_custom_op_with_its_arguments():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    q, k, v = qkv(s=8)
+    compiled = torch.compile(flashkiln.scaled_dot_product_attention, backend=backend, fullgraph=True)
+    try:
+        with pytest.raises(flashkiln.InvalidInputError, match="inputs must be CUDA tensors"):
+            compiled(q, k, v, is_causal=True, window_size=(4, 0), softcap=5.0)
+    finally:
+        torch._dynamo.reset()
+    (graph,) = graphs
+    (node,) = [n for n in graph.graph.nodes if n.target is torch.ops.flashkiln.attention_forward.default]
+    assert node.args[3:] == (None, None, "top_left", 0.125, None, None, None, 0, 0, 4, 0, 5.0)
