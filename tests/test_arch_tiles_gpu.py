@@ -26,7 +26,7 @@ _repro = partial(repro_line, "test_arch_tiles_gpu.py")
 
 DIR_ENV = "FLASHKILN_ARCH_TILES_DIR"
 ROOT = Path(os.environ.get(DIR_ENV, Path(__file__).resolve().parent.parent / "build" / "arch-tiles"))
-TILINGS = sorted(p.parent.name for p in ROOT.glob("*/kernels/manifest.json"))
+TILINGS = sorted(p.parent.parent.name for p in ROOT.glob("*/kernels/manifest.json"))
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 SHAPES = [(113, 129), (129, 113), (1, 17), (300, 300)]
 
