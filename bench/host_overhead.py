@@ -58,6 +58,16 @@ class _AllocateOnly(torch.autograd.Function):
         return dout, dout, dout
 
 
+def training_step(attend: Callable[..., torch.Tensor], leaves: list[torch.Tensor],
+                  dout: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward through autograd of `attend` on `leaves`, their gradients reset first."""
+    def step() -> None:
+        for t in leaves:
+            t.grad = None
+        attend(*leaves).backward(dout)
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("build/bench-host"))
@@ -67,11 +77,7 @@ def main() -> None:
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
     def train(attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
-        def step() -> None:
-            for t in leaves:
-                t.grad = None
-            attend(*leaves).backward(dout)
-        return step
+        return training_step(attend, leaves, dout)
 
     rows = []
     out, lse = flashkiln.attention_forward(q, k, v)

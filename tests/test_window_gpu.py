@@ -1,9 +1,9 @@
 """Sliding-window (local) attention, window_size=(left, right) as FlashAttention's, on the GPU:
-forward (O, LSE) and backward (dq, dk, dv, dsink) of both kernel families against the fp32
-reference (FA-style(2) and (3), shared/CONVENTIONS.md) and against each other, with causal
-masks, S_q != S_k both ways (rows that see no key), GQA and sinks, packed batches with empty
+forward (O, LSE) and backward (dq, dk, dv, dsink, dbias) of both kernel families against the
+fp32 reference (FA-style(2) and (3), shared/CONVENTIONS.md) and against each other, with causal
+masks, S_q != S_k both ways (rows that see no key), GQA, sinks and a bias, packed batches with empty
 sequences, the deterministic backward, autograd through the SDPA drop-in and varlen_attention,
-and the typed errors (a window with a bias, malformed windows).
+and the typed errors of malformed windows.
 
 Query row i of a sequence sees key j iff 0 <= j < S_k and i + off - left <= j <= i + off + right
 (off = S_k - S_q, or 0 under "top_left"; -1 leaves a side unbounded; a causal mask sets right to
@@ -17,6 +17,7 @@ else carries the gpu marker.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -43,7 +44,6 @@ _PAIRS = [(1, 1), (2, 2), (7, 7), (17, 17), (113, 113), (129, 129), (300, 300), 
           (129, 1), (7, 300), (300, 7), (17, 113), (113, 17), (129, 300), (300, 129), (2, 300)]
 _DIMS_DTYPES = [(64, torch.bfloat16), (128, torch.float16), (64, torch.float16), (128, torch.bfloat16)]
 SWEEP = [(sq, sk, *_DIMS_DTYPES[n % 4]) for n, (sq, sk) in enumerate(_PAIRS)]
-NOT_GENERATED = (flashkiln.VariantNotFoundError, flashkiln.UnsupportedError)
 
 
 def _window_id(w) -> str:
@@ -153,13 +153,13 @@ def _canaries_intact(storage: torch.Tensor) -> bool:
     return bool(torch.isnan(storage[:, :, 0]).all() and torch.isnan(storage[:, :, -1]).all())
 
 
-def _forward(q, k, v, causal, window, backend, repro, sink=None):
+def _forward(q, k, v, causal, window, backend, repro, sink=None, bias=None):
     """attention_forward into NaN-filled out and lse framed by NaN canaries."""
     out_storage, out = _framed_nan((*q.shape[:3], v.shape[3]), q.dtype)
     lse_storage = torch.full((q.shape[0] * q.shape[1] * q.shape[2] + 2,), float("nan"), device="cuda")
     lse = lse_storage[1:-1].view(q.shape[:3])
-    got_out, got_lse = flashkiln.attention_forward(q, k, v, causal=causal, sink=sink, window_size=window, out=out,
-                                                   lse=lse, backend=backend)
+    got_out, got_lse = flashkiln.attention_forward(q, k, v, causal=causal, sink=sink, bias=bias, window_size=window,
+                                                   out=out, lse=lse, backend=backend)
     torch.cuda.synchronize()
     assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr(), repro
     assert _canaries_intact(out_storage), f"canary rows around out were overwritten\n{repro}"
@@ -198,21 +198,24 @@ def _check_agree(name: str, a: torch.Tensor, b: torch.Tensor, ref32: torch.Tenso
     assert err <= bound, f"{name}: max|hopper - portable| = {err:.3g} exceeds {bound:.3g}\n{repro}"
 
 
-def _check_families(q, k, v, dout, causal, window, repro, sink=None) -> None:
+def _check_families(q, k, v, dout, causal, window, repro, sink=None, bias=None) -> None:
     """Forward and backward of each family against REF32/REFLP (FA-style(2) for O and LSE, (3) for
-    dq, dk, dv and dsink), exact zeros where nothing is visible, then hopper against portable."""
-    ref32 = attention_reference(q, k, v, causal, None, torch.float32, sink=sink, window=window)
-    reflp = attention_reference(q, k, v, causal, None, q.dtype, sink=sink, window=window)
-    grad32 = attention_grad_reference(q, k, v, dout, causal, None, torch.float32, sink=sink, window=window)
-    gradlp = attention_grad_reference(q, k, v, dout, causal, None, q.dtype, sink=sink, window=window)
+    dq, dk, dv, dbias and dsink), exact zeros where nothing is visible, then hopper against
+    portable (dbias where `bias` is given)."""
+    ref32 = attention_reference(q, k, v, causal, None, torch.float32, bias, sink, window=window)
+    reflp = attention_reference(q, k, v, causal, None, q.dtype, bias, sink, window=window)
+    grad32 = attention_grad_reference(q, k, v, dout, causal, None, torch.float32, bias, sink, window=window)
+    gradlp = attention_grad_reference(q, k, v, dout, causal, None, q.dtype, bias, sink, window=window)
     mask = visible_mask(q.shape[2], k.shape[2], causal, q.device, window=window)
     unseen_keys = torch.zeros(k.shape[2], dtype=torch.bool, device="cuda") if mask is None else ~mask.any(0)
     empty = ref32.empty_rows
     extra = {} if sink is None else {"sink": sink, "sink_grad": True}
+    if bias is not None:
+        extra.update(bias=bias, bias_grad=True)
     results = {}
     for family in _families():
         r = f"{repro} backend={family}"
-        out, lse = _forward(q, k, v, causal, window, family, r, sink)
+        out, lse = _forward(q, k, v, causal, window, family, r, sink, bias)
         fa_style_check("out", out, ref32.out, reflp.out, 2, r)
         fa_style_check("lse", lse, ref32.lse, reflp.lse, 2, r)
         # Rows that see no key: exactly O = 0, and LSE = -inf (checked above) or the sink.
@@ -228,9 +231,12 @@ def _check_families(q, k, v, dout, causal, window, repro, sink=None) -> None:
             f"dk/dv rows of keys no query sees are not 0\n{r}"
         results[family] = (out, lse, *grads)
     if len(results) == 2:  # hopper against portable, where both run (compute capability 9.0)
-        names = ["out", "lse", "dq", "dk", "dv"] + ([] if sink is None else ["dsink"])
-        refs32 = [ref32.out, ref32.lse, grad32.dq, grad32.dk, grad32.dv, grad32.dsink]
-        refslp = [reflp.out, reflp.lse, gradlp.dq, gradlp.dk, gradlp.dv, gradlp.dsink]
+        names = ["out", "lse", "dq", "dk", "dv"] + ([] if bias is None else ["dbias"]) + \
+            ([] if sink is None else ["dsink"])
+        refs32 = [ref32.out, ref32.lse, grad32.dq, grad32.dk, grad32.dv] + \
+            [r for r in (grad32.dbias, grad32.dsink) if r is not None]
+        refslp = [reflp.out, reflp.lse, gradlp.dq, gradlp.dk, gradlp.dv] + \
+            [r for r in (gradlp.dbias, gradlp.dsink) if r is not None]
         for n, name in enumerate(names):
             k_rule, floor = (2, 1e-5) if n < 2 else (3, GRAD_FLOOR)
             _check_agree(name, results["hopper"][n], results["portable"][n], refs32[n], refslp[n], k_rule, floor,
@@ -363,14 +369,7 @@ def test_deterministic_backward_is_bitwise_reproducible(backend, route, causal, 
                    causal=causal, window=window, sq=sq, sk=sk)
     out, lse = _forward(q, k, v, causal, window, backend, repro)
     with _forced_route(route):
-        try:
-            first = _backward(dout, q, k, v, out, lse, causal, window, backend, repro, route=route,
-                              deterministic=True)
-        except NOT_GENERATED as exc:
-            if route != "workspace":
-                raise
-            # A forced workspace route is taken or fails (portable_family): it needs a windowed dQ kernel.
-            pytest.skip(f"the workspace route has no window kernels in this build ({type(exc).__name__}: {exc})")
+        first = _backward(dout, q, k, v, out, lse, causal, window, backend, repro, route=route, deterministic=True)
         for run in range(19):
             again = _backward(dout, q, k, v, out, lse, causal, window, backend, repro, route=route,
                               deterministic=True)
@@ -518,59 +517,76 @@ def test_varlen_attention_autograd(causal, window):
 
 # -- typed errors -------------------------------------------------------------------------------
 
-def _dense_call(api: str, window, bias_kind: str | None = None):
+def _dense_call(api: str, window):
     """(the call, a NaN-filled output it would write or None) for one API entry point on small CUDA
-    inputs; bias_kind: None, "additive" or "bool" (a bool mask, True keeps)."""
+    inputs."""
     seed = seed_of("window-errors", api)
-    q, k, v, dout, gen = _tensors(seed, 1, 2, 2, 64, 80, 64, torch.bfloat16)
-
-    def make_bias(*shape):
-        if bias_kind is None:
-            return None
-        bias = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-        return bias > -1.0 if bias_kind == "bool" else bias
-
+    q, k, v, dout, _ = _tensors(seed, 1, 2, 2, 64, 80, 64, torch.bfloat16)
     if api == "forward":
-        bias = make_bias(1, 2, 64, 80)
         out = torch.full_like(q, float("nan"))
         lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-        return (lambda: flashkiln.attention_forward(q, k, v, bias=bias, window_size=window, out=out, lse=lse)), out
+        return (lambda: flashkiln.attention_forward(q, k, v, window_size=window, out=out, lse=lse)), out
     if api == "backward":
-        bias = make_bias(1, 2, 64, 80)
-        out, lse = flashkiln.attention_forward(q, k, v, bias=bias)
+        out, lse = flashkiln.attention_forward(q, k, v)
         dq = torch.full_like(q, float("nan"))
-        return (lambda: flashkiln.attention_backward(dout, q, k, v, out, lse, bias=bias, window_size=window,
-                                                     dq=dq)), dq
+        return (lambda: flashkiln.attention_backward(dout, q, k, v, out, lse, window_size=window, dq=dq)), dq
     if api == "sdpa":
-        bias = make_bias(1, 2, 64, 80)
-        return (lambda: flashkiln.scaled_dot_product_attention(q, k, v, attn_mask=bias, window_size=window)), None
+        return (lambda: flashkiln.scaled_dot_product_attention(q, k, v, window_size=window)), None
     case = _packed(seed, "mixed", 2, 2, 64, torch.bfloat16)
-    bias = make_bias(len(case.lengths_q), 2, case.max_q, case.max_k)
     return (lambda: flashkiln.varlen_attention(case.q, case.k, case.v, case.cu_q, case.cu_k, case.max_q, case.max_k,
-                                               bias=bias, window_size=window)), None
+                                               window_size=window)), None
 
 
 APIS = ("forward", "backward", "sdpa", "varlen")
 
 
 @gpu
-@pytest.mark.parametrize("bias_kind", ["additive", "bool"])
-@pytest.mark.parametrize("api", APIS)
-def test_a_window_with_a_bias_is_a_typed_error(api, bias_kind):
-    """A window and a bias (or a bool mask) together: a flashkiln error before any launch (a given
-    output buffer stays NaN); window_size=(-1, -1) is no window and runs with the bias."""
-    call, written = _dense_call(api, (32, 16), bias_kind)
-    repro = _repro("test_a_window_with_a_bias_is_a_typed_error", api=api, bias_kind=bias_kind)
-    with pytest.raises(flashkiln.FlashkilnError):
-        call()
-    torch.cuda.synchronize()
-    if written is not None:
-        assert torch.isnan(written).all(), f"an output was written before the error\n{repro}"
-    unbounded, written = _dense_call(api, (-1, -1), bias_kind)
-    unbounded()
-    torch.cuda.synchronize()
-    if written is not None:
-        assert not torch.isnan(written).any(), f"window_size=(-1, -1) with a bias did not run\n{repro}"
+@pytest.mark.parametrize("bias_shape", ["full", "key-constant"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("window", [(32, -1), (48, 16)], ids=_window_id)
+@pytest.mark.parametrize("sq,sk,d,dtype", [(113, 129, 64, torch.bfloat16), (129, 113, 128, torch.float16),
+                                           (200, 200, 128, torch.bfloat16)],
+                         ids=lambda x: DTYPE_IDS.get(x, str(x)))
+def test_a_window_with_a_bias(sq, sk, d, dtype, window, causal, bias_shape):
+    """A window and an additive bias together, with dBias (from the dS workspace where the bias
+    varies along the keys, in closed form where it does not), GQA 4/2 and sinks with dSink: both
+    families against the references and each other."""
+    seed = seed_of("window-bias", sq, sk, d, dtype, window, causal, bias_shape)
+    q, k, v, dout, gen = _tensors(seed, 2, 4, 2, sq, sk, d, dtype)
+    bias = torch.randn(2, 4, sq, sk if bias_shape == "full" else 1, device="cuda", dtype=dtype, generator=gen)
+    _check_families(q, k, v, dout, causal, window, _repro("test_a_window_with_a_bias", seed=seed, sq=sq, sk=sk, d=d,
+                                                          dtype=dtype, window=window, causal=causal,
+                                                          bias_shape=bias_shape),
+                    sink=torch.linspace(-1.0, 2.0, 4, device="cuda"), bias=bias)
+
+
+@gpu
+@pytest.mark.parametrize("backend", FAMILIES)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_a_window_with_a_bias_on_packed_batches(causal, backend):
+    """A packed batch with a window and a per-sequence bias (each sequence reads its corner),
+    against every sequence alone."""
+    if backend == "hopper" and not _on_hopper():
+        pytest.skip("the hopper backend runs on compute capability 9.0 only")
+    seed = seed_of("window-bias-packed", causal, backend)
+    case = _packed(seed, "mixed", 4, 2, 128, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    bias = torch.randn(len(case.lengths_q), 4, case.max_q, case.max_k, device="cuda", dtype=torch.bfloat16,
+                       generator=gen)
+    window = (48, 16)
+    repro = _repro("test_a_window_with_a_bias_on_packed_batches", seed=seed, causal=causal, backend=backend)
+    out, lse = flashkiln.attention_forward(case.q, case.k, case.v, causal=causal, window_size=window, bias=bias,
+                                           packed=case.packed(), backend=backend)
+    dtypes = (torch.float32, torch.bfloat16)
+    ref32, reflp = (_reference_forward(case, causal, bias, None, t, window=window) for t in dtypes)
+    inside = ~torch.isnan(ref32[1][0])
+    fa_style_check("out", out[inside], ref32[0][inside], reflp[0][inside], 2, repro)
+    fa_style_check("lse", lse[:, inside], ref32[1][:, inside], reflp[1][:, inside], 2, repro)
+    grads = flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal,
+                                         window_size=window, bias=bias, packed=case.packed(), backend=backend)
+    ref32, reflp = (_reference_grads(case, causal, bias, None, t, window=window) for t in dtypes)
+    check_grads_against(grads, dataclasses.replace(ref32, dbias=None), dataclasses.replace(reflp, dbias=None),
+                        repro)
 
 
 # Below -1, the wrong length, not a sequence, not ints ("ab" has length 2).

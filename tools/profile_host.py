@@ -11,8 +11,8 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -23,29 +23,8 @@ import flashkiln
 from flashkiln import backward, forward, inputs, launch, ops
 from flashkiln.calls import forward_tensors
 
-
-def per_call_us(fn: Callable[[], object], calls: int = 1000, repeats: int = 5) -> float:
-    for _ in range(20):
-        fn()
-    loops = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        loops.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(loops)
-
-
-class _AllocateOnly(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v):
-        return torch.empty_like(q)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout, dout, dout
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from host_overhead import _AllocateOnly, per_call_us, training_step  # noqa: E402  (bench/ is a folder of scripts)
 
 
 def main() -> None:
@@ -89,11 +68,7 @@ def main() -> None:
         row("torch SDPA flash forward", lambda: F.scaled_dot_product_attention(q, k, v))
 
     def train(attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
-        def step() -> None:
-            for t in leaves:
-                t.grad = None
-            attend(*leaves).backward(dout)
-        return step
+        return training_step(attend, leaves, dout)
 
     def graph_only() -> None:
         ops.scaled_dot_product_attention(*leaves)
