@@ -345,12 +345,12 @@ def test_cli_list_with_filter():
     result = run_cli("list", "--specs", "specs", "--filter", "^fwd_portable_sm90a_bf16_d128_")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 10  # 2 causal modes, with and without a bias; 2 with a window; 4 with a softcap
+    assert len(lines) == 12  # 2 causal modes, with and without a bias, with and without a window; 4 with a softcap
     expected = {d.name: d.hash for d in (v.descriptor for v in load_variants(REPO / "specs"))
                 if d.kernel == "fwd" and d.family == "portable" and d.arch == "sm_90a" and d.dtype == "bf16"
                 and d.d_qk == d.d_v == 128}
     assert {tuple(line.split("  ")) for line in lines} == set(expected.items())
-    assert "10 variant(s)" in result.stderr
+    assert "12 variant(s)" in result.stderr
 
 
 def test_cli_list_on_a_broken_spec_dir(tmp_path):
