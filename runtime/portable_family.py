@@ -88,10 +88,10 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     if route == "workspace":
         scratch.absent("dq_accum")
         scratch.absent("dq_semaphore")
-        # dBias reads every tile, also those no key tile visits (causal) and those past a packed
-        # sequence's ends: they must be zeros.
-        scratch.take("ds_workspace", (_workspace_elements(shape, hq),), q.dtype,
-                     zeroed=ds_needed and (call.causal != "none" or call.packed is not None))
+        # dBias reads every tile, also those no key tile visits (a causal mask or a window) and
+        # those past a packed sequence's ends: they must be zeros.
+        skips_tiles = call.causal != "none" or call.window is not None or call.packed is not None
+        scratch.take("ds_workspace", (_workspace_elements(shape, hq),), q.dtype, zeroed=ds_needed and skips_tiles)
     else:
         scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, dqk), f32)  # zeroed by the preprocess
         if route == "ordered":

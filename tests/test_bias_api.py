@@ -2,10 +2,13 @@
 and the backward's kernel and route choice with a bias."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import flashkiln
+from flashkiln import launch
 from flashkiln.bias import bias_gradient, ds_row_elements, empty_bias_gradient, prepare_bias
 from flashkiln.dq_routes import ROUTE_ENV, WORKSPACE_BUDGET_ENV
 from test_backward_api import CAUSAL, H200_MEMORY, bwd_descriptor, make_registry, tensors
@@ -90,6 +93,29 @@ def plan(registry, causal="none", bias_grad=True, deterministic=False, bias_shap
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     return planned_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, deterministic, (9, 0), H200_MEMORY,
                          registry, kb, bias_grad)
+
+
+@pytest.mark.parametrize("causal, window", [("top_left", None), ("none", (16, 16))])
+def test_the_dbias_workspace_starts_zeroed_where_tiles_go_unvisited(tmp_path, monkeypatch, causal, window):
+    """A causal mask or a window leaves tiles that no key tile visits, which dBias still reads: the
+    workspace is allocated zeroed then (scratch made any other way comes back NaN here)."""
+    monkeypatch.delenv(ROUTE_ENV, raising=False)
+    monkeypatch.setattr(launch, "allocate", lambda spec, device: (torch.zeros if spec.zeroed else nan_filled)(
+        spec.shape, dtype=spec.dtype))
+    kernels = [bwd_descriptor("bwd_dq", c) for c in CAUSAL]
+    kernels += [bwd_descriptor("bwd", c, True, bias="additive") for c in CAUSAL]
+    registry = make_registry(tmp_path, kernels + [dataclasses.replace(d, window=True) for d in kernels])
+    dout, q, k, v, out, lse = tensors()
+    kb = prepare_bias(torch.randn(1, 4, 100, 300, dtype=torch.bfloat16), (*q.shape[:3], 300), q)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    p = planned_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, 0.125, False, (9, 0), H200_MEMORY, registry, kb,
+                         True, window=window)
+    assert p.route == "workspace"
+    assert torch.equal(p.scratch["ds_workspace"], torch.zeros_like(p.scratch["ds_workspace"]))
+
+
+def nan_filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype)
 
 
 def test_a_biased_backward_runs_the_deterministic_bias_kernel_on_the_workspace_route(registry, monkeypatch):
