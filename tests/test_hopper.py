@@ -139,7 +139,7 @@ def test_rendered_unit_checks_the_hopper_params_abi():
 
 @pytest.mark.nvrtc
 def test_compiled_kernel_uses_tma_and_wgmma(tmp_path, build_cache):
-    """The real toolchain: the d=128 causal variants, plain, windowed and biased, have HGMMA, TMA loads
+    """The real toolchain: the d=128 causal variants, plain, windowed, biased or both, have HGMMA, TMA loads
     and stores, setmaxnreg, and no local memory in the consumers' code (the producer, at 24
     registers, may spill a little)."""
     from flashkiln.generator import build
@@ -155,9 +155,10 @@ def test_compiled_kernel_uses_tma_and_wgmma(tmp_path, build_cache):
     selection = build.Selection(r"fwd_hopper_sm90a_bf16_d128_causal-br_", "packed|softcap")
     manifest = build.generate(specs, tmp_path / "out", workers=1, selection=selection, cache_dir=build_cache,
                               progress=False, report=False)
-    # the default tuning and the second (128 keys), each with and without a window, and the biased one
+    # the default tuning and the second (128 keys), each with and without a window, and the biased
+    # one with and without a window
     assert sorted(("window" in e.name, "bias-additive" in e.name) for e in manifest.kernels) == [
-        (False, False), (False, False), (False, True), (True, False), (True, False)]
+        (False, False), (False, False), (False, True), (True, False), (True, False), (True, True)]
     for entry in manifest.kernels:
         assert entry.threads == 384
         sass = disassemble(manifest.directory / entry.cubin)
