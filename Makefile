@@ -8,7 +8,7 @@ JOBS ?= $(shell nproc)
 SPECS ?= specs
 OUT ?= generated
 # Archs to build, comma-separated (e.g. ARCHS=sm_80,sm_90a), or `all`: every arch the specs list.
-# The default is Hopper's alone: about 15-17 minutes cold on two cores (docs/perf.md, v23).
+# The default is Hopper's alone: 16.6 minutes cold on two cores (docs/perf.md, v23).
 ARCHS ?= sm_90a
 ARCH_ARGS := $(if $(filter all,$(ARCHS)),,--archs $(ARCHS))
 # On a GPU machine that has torch and cuda-bindings but no registry (the device), use its python3.
