@@ -1,9 +1,10 @@
 """Content-addressed compile cache: an unchanged variant is never compiled twice.
 
-The key hashes everything that determines the cubin: the rendered source, the toolchain
-identity (NVRTC version, header package versions, flashkiln's own headers, base options) and
-the target arch. Entries are written to a temporary file and renamed into place under a file
-lock, and carry the cubin's sha256, checked on every read.
+The key hashes everything that determines the cubin: the rendered source, the flashkiln headers
+it reaches, the toolchain identity (NVRTC version, header package versions, base options) and the
+target arch. So an edited header recompiles the units that include it, and only those. Entries
+are written to a temporary file and renamed into place under a file lock, and carry the cubin's
+sha256, checked on every read.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from filelock import FileLock
 from flashkiln.files import atomic_write
 
 from .nvrtc import CompileResult
+from .toolchain import own_headers_digest
 
 
 def cache_key(source: str, toolchain_identity: str, arch: str) -> str:
     h = hashlib.sha256()
-    for part in (source, toolchain_identity, arch):
+    for part in (source, own_headers_digest(source), toolchain_identity, arch):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 

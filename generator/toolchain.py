@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -59,7 +60,7 @@ class ToolchainError(RuntimeError):
 class Toolchain:
     include_dirs: tuple[Path, ...]
     versions: dict[str, str]  # package and compiler versions
-    identity: str  # hash of versions, options and flashkiln's own headers
+    identity: str  # hash of versions and options (a unit's own headers join its cache key: cache.py)
 
     @property
     def cuda_flavor(self) -> str:
@@ -92,12 +93,33 @@ def nvrtc_version() -> tuple[int, int]:
     return major, minor
 
 
-def own_headers_digest() -> str:
-    """Content hash of flashkiln's C++ headers: editing a kernel invalidates its cache entries."""
+# Every include of one of flashkiln's headers, wherever it stands (also under #if: a header that
+# might be read counts).
+_OWN_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"](flashkiln/[^>"]+)[>"]', re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def _own_header(relative: str) -> tuple[bytes, tuple[str, ...]]:
+    """A header's bytes and the flashkiln headers it includes (read once per process)."""
+    path = INCLUDE_DIR / relative
+    if not path.is_file():
+        raise ToolchainError(f"#include <{relative}>: no such header under {INCLUDE_DIR}")
+    text = path.read_bytes()
+    return text, tuple(_OWN_INCLUDE.findall(text.decode()))
+
+
+def own_headers_digest(source: str) -> str:
+    """Content hash of the flashkiln headers that `source` reaches, directly or through each other:
+    editing a header invalidates the cache entries of the units that include it, and no others."""
+    reached, pending = set(), list(_OWN_INCLUDE.findall(source))
+    while pending:
+        relative = pending.pop()
+        if relative not in reached:
+            reached.add(relative)
+            pending.extend(_own_header(relative)[1])
     h = hashlib.sha256()
-    for path in sorted(INCLUDE_DIR.rglob("*")):
-        if path.is_file():
-            h.update(str(path.relative_to(INCLUDE_DIR)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for relative in sorted(reached):
+        h.update(relative.encode() + b"\0" + _own_header(relative)[0] + b"\0")
     return h.hexdigest()
 
 
@@ -111,7 +133,5 @@ def toolchain() -> Toolchain:
     versions = {dist: metadata.version(dist) for dist, _ in flavor["headers"]}
     versions[flavor["nvrtc"]] = metadata.version(flavor["nvrtc"])
     versions["nvrtc"] = f"{major}.{minor}"
-    identity = hashlib.sha256(
-        repr((sorted(versions.items()), BASE_OPTIONS, own_headers_digest())).encode()
-    ).hexdigest()
+    identity = hashlib.sha256(repr((sorted(versions.items()), BASE_OPTIONS)).encode()).hexdigest()
     return Toolchain(include_dirs, versions, identity)
