@@ -105,7 +105,7 @@ class BackwardPlan(CallPlan):
 
 
 def _key(dout, q, k, v, out, lse, dlse, causal, window_size, softcap, scale, bias, bias_grad, sink, sink_grad,
-         deterministic, packed, registry, backend) -> Hashable | None:
+         deterministic, packed, partial_keys, registry, backend) -> Hashable | None:
     """The plan-cache key of a call (flashkiln.plan_cache), or None for one planned every time."""
     if bias is not None and bias.dtype == torch.bool:
         return None  # converted to an additive bias on every call
@@ -115,7 +115,7 @@ def _key(dout, q, k, v, out, lse, dlse, causal, window_size, softcap, scale, bia
             None if bias is None else storage_key(bias),
             type(bias_grad), bias_grad, tensor_key(sink), type(sink_grad), sink_grad, type(deterministic),
             deterministic, torch.are_deterministic_algorithms_enabled(), dq_routes.settings(), packed_key(packed),
-            registry, backend)
+            type(partial_keys), partial_keys, registry, backend)
 
 
 def _check_backward_tensors(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -158,10 +158,12 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   window_size: tuple[int, int] | None, softcap: float | None, scale: float | None,
                   bias: torch.Tensor | None, bias_grad: bool, sink: torch.Tensor | None, sink_grad: bool,
                   deterministic: bool | None, packed: PackedBatch | None, dq: torch.Tensor | None,
-                  dk: torch.Tensor | None, dv: torch.Tensor | None, registry: KernelRegistry | None,
-                  backend: str | None) -> BackwardPlan:
+                  dk: torch.Tensor | None, dv: torch.Tensor | None, partial_keys: bool,
+                  registry: KernelRegistry | None, backend: str | None) -> BackwardPlan:
     """Every check of a backward call, in order, then its plan (attention_backward's arguments)."""
     families.check_backend(backend)
+    if not isinstance(partial_keys, bool):
+        inputs.fail(f"partial_keys must be a bool, got {partial_keys!r}")
     if packed is not None:
         check_packed(q, k, v, packed)
         q, k, v = (as_batched(t) for t in (q, k, v))
@@ -218,7 +220,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     copies = any(kt is not t for kt, t in zip(kernel, (q, k, v, out, dout)))
     q, k, v, out, dout = kernel
     call = BackwardCall(dout, q, k, v, out, lse.contiguous(), *grads, causal_mode, scale, deterministic, kernel_bias,
-                        bias_grad, packed, dlse, kernel_sink, sink_parts, window, softcap)
+                        bias_grad, packed, dlse, kernel_sink, sink_parts, window, softcap, not partial_keys)
     with inputs.kernel_written_allocations():
         family, planned, scratch = families.plan("backward", call, backend, target, registry, q.device)
     log.debug("flashkiln backward: %s family, %s, dq route %s", family, planned.launches[1].entry.name,
@@ -243,7 +245,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        sink: torch.Tensor | None = None, sink_grad: bool = False, deterministic: bool | None = None,
                        packed: PackedBatch | None = None, dq: torch.Tensor | None = None,
                        dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-                       registry: KernelRegistry | None = None,
+                       partial_keys: bool = False, registry: KernelRegistry | None = None,
                        backend: str | None = None) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv) of attention_forward's `out` (and `lse`, for `dlse`) for the upstream
     gradient `dout`, then dbias when `bias_grad` (in the bias's own shape, summed over its broadcast
@@ -252,14 +254,17 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     q, k, v, causal, window_size, softcap, scale, bias and sink as given to the forward; out and lse are what it
     returned (with sinks, lse includes them, and the kernels need nothing else). dlse: the LSE's
     upstream gradient (fp32, lse's shape), or None for none (ring attention merges partial results
-    through their LSEs, and so needs it).
+    through their LSEs, and so needs it). partial_keys: out and lse are of attention over more keys
+    than k and v hold (a block of ring attention, flashkiln.ring), so the kernels take each row's
+    delta from rowsum(dout * out) alone (where a call holds all of a row's keys, they otherwise
+    recompute it from the unrounded P and dP, which is exact only then).
     With a bias, the backward runs a deterministic route, and dbias is deterministic too.
     deterministic: bitwise-reproducible dq (dk, dv are always); default
     torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes): in
     place by default; on the portable family, where it is faster, dS can be kept in a workspace of
     B * H_q * S_q * S_k elements and dq computed from it by a second kernel, if that fits
-    $FLASHKILN_BACKWARD_WORKSPACE_MIB (default 0: off; dBias of a bias that varies along the keys
-    always takes it). Gradients come back with
+    $FLASHKILN_BACKWARD_WORKSPACE_MIB (default 0: off). dBias of a bias that varies along the keys
+    keeps dS in that workspace on either family. Gradients come back with
     their inputs' strides (contiguous where those strides are not 16-byte aligned), or in the
     buffers dq, dk, dv when given (which must not overlap themselves or an input). A query row that
     saw no key gets a zero dq row.
@@ -270,20 +275,20 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     backend: the kernel family, as attention_forward's (flashkiln.families); None takes the best
     that has backward kernels for the call (the hopper family, then the portable one: the hopper
-    backward has head dims 64 and 128, and no dBias of a bias that varies along the keys). Plans
+    backward has head dims 64 and 128). Plans
     are cached per call key (flashkiln.plan_cache): a repeated call runs only its launches.
     """
     key = None
     if dq is None and dk is None and dv is None:
         try:
             key = _key(dout, q, k, v, out, lse, dlse, causal, window_size, softcap, scale, bias, bias_grad, sink,
-                       sink_grad, deterministic, packed, registry, backend)
+                       sink_grad, deterministic, packed, partial_keys, registry, backend)
         except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what is wrong
             key = None
     plan = None if key is None else PLANS.get(key)
     if plan is None:
         plan = plan_backward(dout, q, k, v, out, lse, dlse, causal, window_size, softcap, scale, bias, bias_grad,
-                             sink, sink_grad, deterministic, packed, dq, dk, dv, registry, backend)
+                             sink, sink_grad, deterministic, packed, dq, dk, dv, partial_keys, registry, backend)
         if key is not None:
             PLANS.put(key, plan)
     return plan.run(dout, q, k, v, out, lse, dlse, bias, sink, packed, dq, dk, dv)

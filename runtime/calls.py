@@ -92,6 +92,7 @@ class BackwardCall:
     sink_parts: bool = False
     window: tuple[int, int] | None = None  # (left, right), inputs.check_window's
     softcap: float | None = None  # the cap, inputs.check_softcap's
+    keys_complete: bool = True  # out and lse are of k's keys alone (attention_backward's partial_keys)
 
     @property
     def shape(self) -> BatchShape:

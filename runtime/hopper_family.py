@@ -106,21 +106,19 @@ def backward_request(call: BackwardCall) -> dict:
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
-    lacks (dBias of a bias that varies along the keys, a forced dQ route
-    other than the call's atomic or ordered one) and where TMA cannot address the tensors. A deterministic call, and a
-    biased one, takes the ordered route: the same kernel, given dq_semaphore. dBias of a
-    key-constant bias has a closed form (flashkiln.bias) from delta and dsink_parts.
+    lacks (a forced dQ route other than the call's atomic or ordered one) and where TMA cannot
+    address the tensors. A deterministic call, and a biased one, takes the ordered route: the same
+    kernel, given dq_semaphore. dBias of a key-constant bias has a closed form (flashkiln.bias) from
+    delta and dsink_parts; of any other bias it comes from dS, which the kernel stores.
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
     (GQA: fp32 per query head, summed over each group afterwards), dsink_parts (fp32 (B, H_q, key
     tiles) sums of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
     H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
-    a query tile's dQ)."""
+    a query tile's dQ), ds_workspace (dBias of a key-varying bias: dS, as the portable workspace
+    route keeps it)."""
     bias = call.bias
-    if call.bias_grad and not bias.key_constant:
-        raise UnsupportedError("the hopper backward has no dBias of a bias that varies along the keys yet: "
-                               "backend='portable' runs the call")
     deterministic = call.ordered
     route = dq_routes.fallback_route(deterministic)
     forced = dq_routes.forced_route(deterministic)
@@ -142,9 +140,16 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows
     f32 = torch.float32
     packed = call.packed is not None
+    if call.bias_grad and not bias.key_constant:
+        # dS of every tile, in the portable workspace route's layout, whose sum over the bias's
+        # broadcast dims is dBias (flashkiln.bias). The tiles no key tile visits (a causal mask, a
+        # window) and those past a packed sequence's ends are never stored: zeros.
+        skips_tiles = call.causal != "none" or call.window is not None or packed
+        scratch.take("ds_workspace", (portable_family.workspace_elements(shape, hq),), q.dtype, zeroed=skips_tiles)
+    else:
+        scratch.absent("ds_workspace")
     scratch.take("delta", (layout_batches, hq, shape.total_q), f32)
     scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d), f32)  # zeroed by the preprocess
-    scratch.absent("ds_workspace")
     if deterministic:
         warpgroups = tile_n // 64  # hopper/bwd_traits.hpp: a consumer warpgroup per 64 keys
         scratch.take("dq_semaphore", (b, hq, ceil_div(sq, tile_m), warpgroups), torch.int32, zeroed=True)
@@ -165,12 +170,13 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     rows = BwdParams(
         **inputs.stride_fields("o", call.out), **inputs.stride_fields("do", call.dout),
         **inputs.stride_fields("dq", call.dq), heads_q=hq, heads_kv=hkv, **shape.params(),
-        seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows, **scores)
+        seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows, **scores, keys_complete=int(call.keys_complete))
     params = HopperBwdParams(
         **encoded, **inputs.stride_fields("dk", call.dk), **inputs.stride_fields("dv", call.dv),
         dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), **scores,
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step,
-        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step)
+        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step,
+        keys_complete=int(call.keys_complete))
     tensors = {**call.tensors(), **scratch.tensors}
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {})}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())

@@ -84,6 +84,7 @@ class BwdParams(ctypes.Structure):
         ("scale_log2", ctypes.c_float),
         *_int32("window_left", "window_right", "top_left"),
         ("softcap_scale", ctypes.c_float),
+        ("keys_complete", ctypes.c_int32),
     ]
 
 
@@ -139,7 +140,8 @@ class HopperBwdParams(ctypes.Structure):
         ("tma_do", TmaDescriptor),
         ("tma_bias", TmaDescriptor),
         *((name, ctypes.c_uint64) for name in ("lse", "delta", "dlse", "dq_accum", "dk", "dv", "dk_accum", "dv_accum",
-                                               "sink", "dsink_parts", "dq_semaphore", "cu_seqlens_q", "cu_seqlens_k")),
+                                               "sink", "dsink_parts", "dq_semaphore", "cu_seqlens_q", "cu_seqlens_k",
+                                               "ds_workspace")),
         *_strides("dk", "dv"),
         ("dq_accum_rows", ctypes.c_int64),
         *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "total_q", "total_k"),
@@ -148,7 +150,8 @@ class HopperBwdParams(ctypes.Structure):
         *_int32("bias_row_step", "bias_head_step", "bias_batch_step", "window_left", "window_right",
                 "top_left"),
         ("softcap_scale", ctypes.c_float),
-        ("_pad", ctypes.c_int32 * 8),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("keys_complete", ctypes.c_int32),
+        ("_pad", ctypes.c_int32 * 5),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

@@ -91,7 +91,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         # dBias reads every tile, also those no key tile visits (a causal mask or a window) and
         # those past a packed sequence's ends: they must be zeros.
         skips_tiles = call.causal != "none" or call.window is not None or call.packed is not None
-        scratch.take("ds_workspace", (_workspace_elements(shape, hq),), q.dtype, zeroed=ds_needed and skips_tiles)
+        scratch.take("ds_workspace", (workspace_elements(shape, hq),), q.dtype, zeroed=ds_needed and skips_tiles)
     else:
         scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, dqk), f32)  # zeroed by the preprocess
         if route == "ordered":
@@ -112,6 +112,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         **inputs.stride_fields("dv", call.dv),
         heads_q=hq, heads_kv=hkv, **shape.params(), seqlen_q_rounded=sq_rounded, dq_accum_rows=dq_accum_rows,
         **inputs.score_fields(call.scale, call.softcap), **inputs.reach_fields(call.window, call.causal),
+        keys_complete=int(call.keys_complete),
     )
     tensors = {**call.tensors(), **scratch.tensors}
     if dq_kernel is not None:
@@ -125,7 +126,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     return BackwardLaunches(launches, route)
 
 
-def _workspace_elements(shape: BatchShape, hq: int) -> int:
+def workspace_elements(shape: BatchShape, hq: int) -> int:
     """dS workspace size: dense (B, H_q, S_q, S_k) with rows padded to 16 bytes (bwd_tiles.hpp)."""
     return shape.batch * hq * shape.seqlen_q * ds_row_elements(shape.seqlen_k)
 
@@ -162,7 +163,7 @@ def _workspace_kernels(call: BackwardCall, shape: BatchShape, deterministic: boo
             raise UnsupportedError(f"the workspace route cannot run: {message}")
         log.debug("flashkiln backward: %s", message)
         return None
-    size = _workspace_elements(shape, call.q.shape[1]) * call.q.element_size()
+    size = workspace_elements(shape, call.q.shape[1]) * call.q.element_size()
     budget = dq_routes.workspace_budget_bytes()
     if not strict and size > budget:
         log.debug("flashkiln backward: dS workspace of %d MiB exceeds the budget of %d MiB (%s)",

@@ -225,6 +225,20 @@ def test_kernel_written_allocations_skip_the_deterministic_fill_and_restore_it()
     assert torch.utils.deterministic.fill_uninitialized_memory == before
 
 
+def test_partial_keys_keep_the_preprocess_delta(registry, monkeypatch):
+    """Out and lse of more keys than the call holds (ring attention's blocks): no launch may take
+    delta from one key tile's P and dP (BwdParams::keys_complete)."""
+    monkeypatch.setenv(ROUTE_ENV, "atomic")
+    dout, q, k, v, out, lse = tensors(sq=100, sk=100)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    for keys_complete in (True, False):
+        p = planned_backward(dout, q, k, v, out, lse, dq, dk, dv, "none", 0.125, False, (9, 0), H200_MEMORY,
+                             registry, keys_complete=keys_complete)
+        assert [launch.params.keys_complete for launch in p.launches] == [int(keys_complete)] * 3
+    with pytest.raises(flashkiln.InvalidInputError, match="partial_keys must be a bool"):
+        flashkiln.attention_backward(dout, q, k, v, out, lse, partial_keys=1)
+
+
 def test_plan_passes_the_lse_gradient_and_asks_for_the_sink_sums(registry, monkeypatch):
     monkeypatch.setenv(ROUTE_ENV, "atomic")
     dout, q, k, v, out, lse = tensors(b=2, hq=4, sq=100, sk=300)

@@ -344,14 +344,6 @@ def _plan_hopper_backward(call, registry=None):
     return hopper_family.plan_backward(call, fake_target((9, 0)), registry, ScratchSet(call.q.device))
 
 
-def test_the_hopper_backward_refuses_dbias_of_a_key_varying_bias_by_name():
-    # Refused before any lookup or tensor map: an explicit backend="hopper" gets a typed error
-    # that names the feature (auto falls back to the portable family on it).
-    call = _backward_call(bias_shape=(1, 1, 64, 64), bias_grad=True)
-    with pytest.raises(UnsupportedError, match="hopper backward has no dBias of a bias that varies along the keys"):
-        _plan_hopper_backward(call)
-
-
 def test_a_biased_hopper_backward_asks_for_the_bias_variant_and_orders_dq(monkeypatch):
     from flashkiln.dq_routes import ROUTE_ENV
 

@@ -75,11 +75,12 @@ def test_the_backward_key_reads_the_route_settings_and_torch_s_deterministic_fla
         args = dict(dout=q, q=q, k=k, v=v, out=q, lse=lse, dlse=None, causal=None, window_size=None, softcap=None,
                     scale=None,
                     bias=None,
-                    bias_grad=False, sink=None, sink_grad=False, deterministic=None, packed=None, registry=None,
-                    backend=None)
+                    bias_grad=False, sink=None, sink_grad=False, deterministic=None, packed=None, partial_keys=False,
+                    registry=None, backend=None)
         return backward._key(**{**args, **kw})
 
     base = bkey()
+    assert bkey(partial_keys=True) != base
     monkeypatch.setenv("FLASHKILN_BACKWARD_ROUTE", "ordered")
     assert bkey() != base
     monkeypatch.delenv("FLASHKILN_BACKWARD_ROUTE")

@@ -198,8 +198,8 @@ def _check_agree(name: str, a: torch.Tensor, b: torch.Tensor, ref32: torch.Tenso
     assert err <= bound, f"{name}: max|hopper - portable| = {err:.3g} exceeds {bound:.3g}\n{repro}"
 
 
-def _check_families(q, k, v, dout, causal, window, repro, sink=None, bias=None, families=None) -> None:
-    """Forward and backward of each family (of `families`, default _families()) against REF32/REFLP
+def _check_families(q, k, v, dout, causal, window, repro, sink=None, bias=None) -> None:
+    """Forward and backward of each family (_families()) against REF32/REFLP
     (FA-style(2) for O and LSE, (3) for dq, dk, dv, dbias and dsink), exact zeros where nothing is
     visible, then hopper against portable (dbias where `bias` is given)."""
     ref32 = attention_reference(q, k, v, causal, None, torch.float32, bias, sink, window=window)
@@ -213,7 +213,7 @@ def _check_families(q, k, v, dout, causal, window, repro, sink=None, bias=None, 
     if bias is not None:
         extra.update(bias=bias, bias_grad=True)
     results = {}
-    for family in families or _families():
+    for family in _families():
         r = f"{repro} backend={family}"
         out, lse = _forward(q, k, v, causal, window, family, r, sink, bias)
         fa_style_check("out", out, ref32.out, reflp.out, 2, r)
@@ -548,31 +548,16 @@ APIS = ("forward", "backward", "sdpa", "varlen")
                                            (200, 200, 128, torch.bfloat16)],
                          ids=lambda x: DTYPE_IDS.get(x, str(x)))
 def test_a_window_with_a_bias(sq, sk, d, dtype, window, causal, bias_shape):
-    """A window and an additive bias together, with dBias (from the dS workspace where the bias
+    """A window and an additive bias together, with dBias (from the kernels' dS where the bias
     varies along the keys, in closed form where it does not), GQA 4/2 and sinks with dSink: both
-    families against the references and each other. dBias of a key-varying bias is the portable
-    family's alone: the hopper backward refuses it by name, and auto takes the portable one."""
+    families against the references and each other."""
     seed = seed_of("window-bias", sq, sk, d, dtype, window, causal, bias_shape)
     q, k, v, dout, gen = _tensors(seed, 2, 4, 2, sq, sk, d, dtype)
     bias = torch.randn(2, 4, sq, sk if bias_shape == "full" else 1, device="cuda", dtype=dtype, generator=gen)
     sink = torch.linspace(-1.0, 2.0, 4, device="cuda")
     repro = _repro("test_a_window_with_a_bias", seed=seed, sq=sq, sk=sk, d=d, dtype=dtype, window=window,
                    causal=causal, bias_shape=bias_shape)
-    families = None
-    if bias_shape == "full":
-        families = ("portable",)
-        if _on_hopper():
-            out, lse = _forward(q, k, v, causal, window, "hopper", repro, sink, bias)
-            with pytest.raises(flashkiln.UnsupportedError, match="varies along the keys"):
-                flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, window_size=window, bias=bias,
-                                             bias_grad=True, sink=sink, sink_grad=True, backend="hopper")
-            auto = flashkiln.attention_backward(dout, q, k, v, out, lse, causal=causal, window_size=window,
-                                                bias=bias, bias_grad=True, sink=sink, sink_grad=True)
-            check_grads_against(auto, attention_grad_reference(q, k, v, dout, causal, None, torch.float32, bias, sink,
-                                                               window=window),
-                                attention_grad_reference(q, k, v, dout, causal, None, q.dtype, bias, sink,
-                                                         window=window), repro)
-    _check_families(q, k, v, dout, causal, window, repro, sink=sink, bias=bias, families=families)
+    _check_families(q, k, v, dout, causal, window, repro, sink=sink, bias=bias)
 
 
 @gpu

@@ -39,14 +39,15 @@ PACKED_CASES = [
 def backward_on_every_route(out, q, k, v, lse, bias, **kwargs) -> list[torch.Tensor]:
     """A biased backward runs the deterministic routes only (and dBias the workspace one); with the
     LSE's gradient, and dSink where there is a sink. The hopper family runs it too, deterministic
-    and not, where it has the call (it names what it lacks otherwise); the routes then run on the
-    portable family."""
+    and not, with dBias where there is a bias, where it has the call (it names what it lacks
+    otherwise); the routes then run on the portable family."""
     grads = []
     sink_grad = kwargs.get("sink") is not None
     for deterministic in (False, True):
         try:
             grads += flashkiln.attention_backward(torch.randn_like(out), q, k, v, out, lse, dlse=torch.randn_like(lse),
-                                                  backend="hopper", bias=bias, sink_grad=sink_grad,
+                                                  backend="hopper", bias=bias, bias_grad=bias is not None,
+                                                  sink_grad=sink_grad,
                                                   deterministic=deterministic, **kwargs)
         except (flashkiln.UnsupportedError, flashkiln.VariantNotFoundError):
             pass

@@ -6,8 +6,9 @@ bench/bench.py's, with L2 flushed before each timed call.
 Usage: tools/pyenv.sh python3 tools/time_backward.py LABEL [--reps N] [--backend FAMILY] [--sweep [VARIANT]]
   > out.json
 (--sweep: S 1k-16k at d 64 and 128 instead of the A/B cases, as plain calls or deterministic or sink
-ones, or with an additive bias without dBias: "bias" of shape (B, H, S, S), "shared-bias" (1, 1, S, S);
-cuDNN's backward stays unbiased, the reference for every variant.)
+ones, or with an additive bias: "bias" of shape (B, H, S, S), "shared-bias" (1, 1, S, S), without
+dBias, and "dbias", "shared-dbias" the same with it; cuDNN's backward stays unbiased, the reference
+for every variant.)
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from bench import time_ms, visible_pairs  # noqa: E402  (bench/ is a folder of s
 CASES = [(d, s, causal, variant) for d in (64, 128, 256) for s in (2048, 8192) for causal in (False, True)
          for variant in ("plain",)]
 CASES += [(128, 4096, causal, variant) for causal in (False, True) for variant in ("deterministic", "sink")]
-VARIANTS = ("plain", "deterministic", "sink", "bias", "shared-bias")
+VARIANTS = ("plain", "deterministic", "sink", "bias", "shared-bias", "dbias", "shared-dbias")
 
 
 def sweep(variant: str) -> list[tuple[int, int, bool, str]]:
@@ -51,13 +52,14 @@ def main() -> None:
                          for _ in range(4))
         mode = "bottom_right" if causal else None
         sink = torch.linspace(-1.0, 2.0, h, device="cuda") if variant == "sink" else None
-        bias_shape = {"bias": (b, h, s, s), "shared-bias": (1, 1, s, s)}.get(variant)
+        bias_shape = {"bias": (b, h, s, s), "shared-bias": (1, 1, s, s)}.get(variant.replace("dbias", "bias"))
         bias = None if bias_shape is None else torch.randn(bias_shape, device="cuda", dtype=torch.bfloat16,
                                                            generator=gen)
         out, lse = flashkiln.attention_forward(q, k, v, causal=mode, sink=sink, bias=bias, backend="portable")
         ours = time_ms(lambda: flashkiln.attention_backward(
             dout, q, k, v, out, lse, causal=mode, sink=sink, sink_grad=sink is not None, bias=bias,
-            deterministic=variant == "deterministic", backend=args.backend), 3, args.reps, flush_l2=True)
+            bias_grad=variant.endswith("dbias"), deterministic=variant == "deterministic", backend=args.backend),
+            3, args.reps, flush_l2=True)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)

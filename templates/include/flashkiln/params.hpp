@@ -67,6 +67,10 @@ struct BwdParams {
   float scale_log2;
   int32_t window_left, window_right, top_left;  // as in FwdParams
   float softcap_scale;                          // as in FwdParams
+  // 1: out and lse are this call's own, so where one key tile holds a sequence's every key the
+  // kernel takes delta from the unrounded P and dP; 0: they come from more keys than k holds
+  // (ring attention's blocks), and delta is the preprocess's rowsum(dO * O) - dLSE.
+  int32_t keys_complete;
 };
 
 }  // namespace flashkiln

@@ -280,13 +280,14 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     dq_phase ^= 1;
   };
 
-  // With one key tile for the whole sequence every row's keys are in this CTA: delta is then
+  // With one key tile for the whole sequence every row's keys are in this CTA (unless out and lse
+  // come from more keys than the call has: p.keys_complete): delta is then
   // rowsum(P * dP) - dLSE from the unrounded P and dP, not the preprocess's rowsum(dO * O) from the
   // rounded O, whose rounding is all of dS where P sits on a few keys (as the portable family
   // does, docs/design.md). A fixed-order sum: the lanes of a warp that share rows, then the warps
   // through the tile's dS buffer (free until its dS is stored), into the tile's stats and into
   // delta, which dBias's closed form reads.
-  const bool whole_rows = ceil_div(s.seqlen_k, T::kBlockN) == 1;
+  const bool whole_rows = ceil_div(s.seqlen_k, T::kBlockN) == 1 && p.keys_complete;
   auto exact_deltas = [&](int row0, int buffer) {
     constexpr int kRows = T::kBlockM / 4;  // per thread in an m64 accumulator: r0 + 8 j + e at 2 j + e
     const int r0 = get<1>(cS(0));
@@ -328,6 +329,11 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);  // the sums are read before dS is stored
   };
+
+  // dBias of a key-varying bias: every tile's dS, into this (batch, head)'s plane of the workspace.
+  [[maybe_unused]] const int ds_ld = ceil_div(p.seqlen_k, 8) * 8;
+  [[maybe_unused]] Element* const ds_plane =
+      reinterpret_cast<Element*>(p.ds_workspace) + (int64_t(s.batch) * p.heads_q + head) * p.seqlen_q * ds_ld;
 
   PipelineState<T::kStages> st;
   for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
@@ -398,6 +404,11 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
     ds_regs = convert_fragment<Element>(acc_dp);
     wgmma_gemm<false>(mma_kv, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
+    if constexpr (T::kBias) {
+      if (p.ds_workspace != 0) {
+        store_rows_of_transposed(ds_regs, cS, ds_plane, row0, key0, s.seqlen_q, ds_ld);
+      }
+    }
     Element* const ds = ss.ds + buffer * T::kElemsdS;
     store_fragment<T::kBlockN>(ds_regs, cS, cute::cast_smem_ptr_to_uint(ds));
     if (has_next) {

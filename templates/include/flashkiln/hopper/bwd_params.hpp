@@ -33,6 +33,9 @@ struct HopperBwdParams {
   // deterministic call) the key tiles add each part of a query tile's dQ in a fixed order; or 0
   uint64_t dq_semaphore;
   uint64_t cu_seqlens_q, cu_seqlens_k;  // int (batch + 1,): a packed batch's sequence bounds, or 0
+  // dS of every visited tile (dBias of a bias that varies along the keys, runtime/bias.py), in the
+  // portable workspace route's layout (portable/bwd_tiles.hpp), or 0
+  uint64_t ds_workspace;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
   int64_t dq_accum_rows;  // per head: seqlen_q rounded up to kDqAccumRowAlign
@@ -45,7 +48,8 @@ struct HopperBwdParams {
   int32_t bias_row_step, bias_head_step, bias_batch_step;
   int32_t window_left, window_right, top_left;  // as in HopperFwdParams
   float softcap_scale;                          // as in HopperFwdParams
-  int32_t _pad[8];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  int32_t keys_complete;                        // as in BwdParams
+  int32_t _pad[5];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

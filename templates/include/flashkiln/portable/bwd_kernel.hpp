@@ -62,6 +62,8 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
   const int batch = blockIdx.z;
   const Sequence seq = sequence_of(p, batch);
   const int n_tiles = ceil_div(seq.seqlen_k, kBlockN);  // gridDim.x, unless a packed batch's is shorter
+  // This CTA holds every key of its rows, and out and lse are of those keys: exact deltas (below).
+  const bool whole_rows = n_tiles == 1 && p.keys_complete;
   // Ordered dQ route: key tiles add into each query tile from the last one down (see below), and
   // each CTA may only wait for CTAs launched before it, so tile n_tiles - 1 gets the first CTA.
   // Otherwise tile 0 goes first: under a causal mask it visits the most query tiles.
@@ -345,7 +347,8 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
       }
       // P = exp(scale * s - lse) and dS = P (dP - delta), in place of the accumulators; with
       // dSink asked for, also this thread's share of sum p_sink * P * dP. When the CTA holds every
-      // key of its rows (one key tile), delta is their rowsum(P * dP) itself, from unrounded P and
+      // key of its rows (one key tile, and out and lse of those keys alone: p.keys_complete), delta
+      // is their rowsum(P * dP) itself, from unrounded P and
       // dP: the preprocess's rowsum(dO * O) carries the rounding of the forward's O, which
       // dominates dS = P (dP - delta) where P sits on few keys (there dP ~ delta). A softcap
       // scales dS by its slope (common/softcap.hpp).
@@ -394,7 +397,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
               warp_sink_sums[tidx / 32] += share;
             }
           }
-          if (n_tiles == 1) {
+          if (whole_rows) {
             whole_row_deltas(row_pdp, row_delta, m_block);
           }
           CUTE_UNROLL
@@ -406,7 +409,7 @@ __device__ __forceinline__ void bwd_kernel(BwdParams const& p) {
           }
         }
       };
-      if (p.dsink_parts != 0 || n_tiles == 1) {
+      if (p.dsink_parts != 0 || whole_rows) {
         probabilities_and_ds(cute::true_type{});
       } else {
         probabilities_and_ds(cute::false_type{});
