@@ -10,7 +10,10 @@ OUT ?= generated
 # Archs to build, comma-separated (e.g. ARCHS=sm_80,sm_90a), or `all`: every arch the specs list.
 # The default is Hopper's alone: 16.6 minutes cold on two cores (docs/perf.md, v23).
 ARCHS ?= sm_90a
-ARCH_ARGS := $(if $(filter all,$(ARCHS)),,--archs $(ARCHS))
+# Kernel set: `default`, or `full`, which adds the spec groups marked `set: full` (on sm_90a the
+# portable family's kernels for what the hopper family covers: for tests of both families).
+SET ?= default
+SELECT_ARGS := $(if $(filter all,$(ARCHS)),,--archs $(ARCHS)) --set $(SET)
 # On a GPU machine that has torch and cuda-bindings but no registry (the device), use its python3.
 GPU_PYTHON ?= python3
 # CUDA flavor of `make wheel`: 13 (NVRTC 13.0, in .venv) or 12 (NVRTC 12.9, in .venv-cu12).
@@ -41,14 +44,14 @@ $(VENV_CU12)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 generate: $(VENV)/.installed
-	$(PY) -m flashkiln.generator generate --specs $(SPECS) --out $(OUT) -j $(JOBS) $(ARCH_ARGS)
+	$(PY) -m flashkiln.generator generate --specs $(SPECS) --out $(OUT) -j $(JOBS) $(SELECT_ARGS)
 
 # The CUDA 12 environment is part of the test setup: a test builds a cu12 wheel with it.
 test: $(VENV)/.installed $(VENV_CU12)/.installed
 	$(PY) -m pytest -q tests
 
 # GPU tests on a machine with a GPU, using that machine's python3 (no installs) and the
-# cubins under $(OUT) built by `make generate` elsewhere.
+# cubins under $(OUT) built by `make generate SET=full` elsewhere (the tests run both families).
 gpu-test:
 	FLASHKILN_REQUIRE_GPU=1 tools/pyenv.sh $(GPU_PYTHON) -m pytest -q -m gpu -rs --maxfail=40 $(PYTEST_ARGS) tests
 
@@ -64,11 +67,11 @@ bench:
 
 # A wheel of the runtime with the cubins of $(SPECS) (and the generator, for opt-in JIT), into dist/.
 wheel: $(if $(filter 12,$(CUDA)),$(VENV_CU12)/.installed,$(VENV)/.installed)
-	$(WHEEL_PY) -m flashkiln.generator wheel --specs $(SPECS) --out dist -j $(JOBS) $(ARCH_ARGS)
+	$(WHEEL_PY) -m flashkiln.generator wheel --specs $(SPECS) --out dist -j $(JOBS) $(SELECT_ARGS)
 
 # One such wheel per arch (`make wheels ARCHS=all`: every arch the specs list).
 wheels: $(if $(filter 12,$(CUDA)),$(VENV_CU12)/.installed,$(VENV)/.installed)
-	$(WHEEL_PY) -m flashkiln.generator wheel --per-arch --specs $(SPECS) --out dist -j $(JOBS) $(ARCH_ARGS)
+	$(WHEEL_PY) -m flashkiln.generator wheel --per-arch --specs $(SPECS) --out dist -j $(JOBS) $(SELECT_ARGS)
 
 clean:
 	rm -rf build dist $(OUT)/manifest.json $(OUT)/*.cubin $(OUT)/src

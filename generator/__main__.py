@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .build import (DEFAULT_CACHE_DIR, GenerateError, MergeError, Selection, generate, merge, parse_archs, parse_shard,
                     plan_units)
-from .specs import SpecError, load_variants
+from .specs import SETS, SpecError, load_variants
 from .toolchain import ToolchainError
 
 
@@ -18,6 +18,8 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exclude", help="drop variants whose name matches this regex")
     parser.add_argument("--archs", type=parse_archs, help="only these archs, comma-separated (e.g. sm_80,sm_90a; "
                                                           "default: every arch the specs list)")
+    parser.add_argument("--set", choices=SETS, default="default",
+                        help="default: every spec group without `set: full`; full: every group")
 
 
 def _build_args(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +27,10 @@ def _build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: all cores)")
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("FLASHKILN_BUILD_CACHE", DEFAULT_CACHE_DIR)))
     parser.add_argument("--no-progress", action="store_true")
+
+
+def _selection(args: argparse.Namespace, shard: tuple[int, int] | None = None) -> Selection:
+    return Selection(args.filter, args.exclude, shard, args.archs, full=args.set == "full")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            variants = Selection(args.filter, args.exclude, archs=args.archs).variants(load_variants(args.specs))
+            variants = _selection(args).variants(load_variants(args.specs))
             for v in variants:
                 print(f"{v.descriptor.name}  {v.descriptor.hash}")
             print(f"{len(variants)} variant(s)", file=sys.stderr)
         elif args.command == "generate":
-            selection = Selection(args.filter, args.exclude, args.shard, args.archs)
+            selection = _selection(args, args.shard)
             if args.list:
                 units = plan_units(args.specs, selection)
                 for unit in units:
@@ -74,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             from .wheel import build_wheel, build_wheels_per_arch
 
             build = build_wheels_per_arch if args.per_arch else build_wheel
-            build(args.specs, args.out, args.jobs, Selection(args.filter, args.exclude, archs=args.archs),
+            build(args.specs, args.out, args.jobs, _selection(args),
                   args.cache_dir, progress=not args.no_progress)
     except (SpecError, GenerateError, MergeError, ToolchainError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

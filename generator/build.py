@@ -70,13 +70,15 @@ def _units(variants: list[Variant]) -> list[CompileUnit]:
 
 @dataclass(frozen=True)
 class Selection:
-    """Which variants a build takes: those for `archs` (None: every arch the specs list), with names
-    matching `pattern` and not `exclude`, then shard i of n."""
+    """Which variants a build takes: those of the default set (or with `full`, of the full set: specs.py)
+    for `archs` (None: every arch the specs list), with names matching `pattern` and not `exclude`,
+    then shard i of n."""
 
     pattern: str | None = None
     exclude: str | None = None
     shard: tuple[int, int] | None = None  # (index, count), 0 <= index < count
     archs: tuple[str, ...] | None = None
+    full: bool = False
 
     def variants(self, variants: list[Variant]) -> list[Variant]:
         if self.archs is not None:
@@ -87,7 +89,8 @@ class Selection:
                                  "(an arch of their own needs its `arch:` in specs/*.yaml and a tuning row)")
         keep = re.compile(self.pattern) if self.pattern else None
         drop = re.compile(self.exclude) if self.exclude else None
-        return [v for v in variants if (self.archs is None or v.descriptor.arch in self.archs)
+        return [v for v in variants if (self.full or not v.full_only)
+                and (self.archs is None or v.descriptor.arch in self.archs)
                 and (keep is None or keep.search(v.descriptor.name))
                 and not (drop and drop.search(v.descriptor.name))]
 
@@ -101,7 +104,7 @@ class Selection:
         return sorted(ordered[index::count], key=lambda u: u.name)
 
     def describe(self) -> dict:
-        return {"filter": self.pattern, "exclude": self.exclude,
+        return {"set": "full" if self.full else "default", "filter": self.pattern, "exclude": self.exclude,
                 "shard": None if self.shard is None else f"{self.shard[0]}/{self.shard[1]}",
                 "archs": None if self.archs is None else list(self.archs)}
 
@@ -275,7 +278,9 @@ def merge(out_dir: Path, shard_dirs: list[Path]) -> Manifest:
                 source = m.directory / "src" / e.cubin.replace(".cubin", ".cu")
                 if source.exists():
                     shutil.copyfile(source, out_dir / "src" / source.name)
-    build = {**manifests[0].build, "selection": {"merged_shards": [str(m.build.get("selection")) for m in manifests]}}
+    sets = {m.build.get("selection", {}).get("set") for m in manifests}
+    build = {**manifests[0].build, "selection": {"set": sets.pop() if len(sets) == 1 else "mixed",
+                                                 "merged_shards": [str(m.build.get("selection")) for m in manifests]}}
     merged = Manifest(out_dir, build, tuple(sorted(entries.values(), key=lambda e: e.name)))
     atomic_write(out_dir / MANIFEST_NAME, merged.to_json().encode(), 0o644)
     print(f"merged {len(manifests)} shard(s) into {out_dir}: {len(entries)} variant(s)")

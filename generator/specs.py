@@ -13,10 +13,13 @@ A spec file (specs/*.yaml) names a family, its tuning table and groups of functi
         bias: [none]                        # optional, default [none]
         deterministic: [false]              # optional, default [false]
         packed: [false]                     # optional, default [false]: a kernel for packed batches
+        set: full                           # optional: built only in the full set (below)
     exclude:                                # optional: partial matches removed from the product
       - {arch: sm_80, head_dims: 256}
 
-Each group expands to its cross product, minus the excludes. The tuning table gives each
+Each group expands to its cross product, minus the excludes. A group with `set: full` belongs to
+the full set only (`generate --set full`, `make generate SET=full`): kernels a build may do
+without, such as one family's duplicates of what another family covers on the same arch. The tuning table gives each
 (kernel, arch, head dims) its performance fields; a group may name a table of its own
 (`tuning: tuning/x.yaml` beside its axes) for variants that need other tiles (say, with a bias):
 
@@ -50,6 +53,7 @@ from .families import FAMILIES
 from .located_yaml import LocatedDict, LocatedList, Where, YamlSyntaxError
 
 SPEC_KEYS = ("family", "tuning", "variants", "exclude")
+SETS = ("default", "full")  # the default set is every group without `set: full`; the full set is all
 # A group's axes, from the descriptor's table (d_qk and d_v share head_dims; the family is the file's).
 AXES = tuple(dict.fromkeys(a.spec_key for a in D.AXES if a.spec_key))
 REQUIRED_AXES = tuple(dict.fromkeys(a.spec_key for a in D.AXES if a.spec_key and a.spec_required))
@@ -82,6 +86,7 @@ class Variant:
     spec_file: str
     where: Where
     relative_speed: float = 1.0  # of this tuning against the variant's first (tile_choice)
+    full_only: bool = False  # its group says `set: full`
 
 
 @dataclass
@@ -309,7 +314,10 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
         if not isinstance(group, LocatedDict):
             out.add(where, f"variants[{gi}]", "expected a mapping of axis: [values]")
             continue
-        _check_keys(group, (*AXES, "tuning"), context, out)
+        _check_keys(group, (*AXES, "tuning", "set"), context, out)
+        group_set = group.get("set", "default")
+        if group_set not in SETS:
+            out.add(group.key_where["set"], f"{context}set", f"expected one of: {', '.join(SETS)}")
         tuning, tuning_path = spec_tuning
         if "tuning" in group:
             tuning, tuning_path = _tuning_of(group, f"{context}tuning", display, specs_root, out)
@@ -348,7 +356,7 @@ def _expand_spec(path: Path, display: str, specs_root: Path, out: _Collector) ->
                     out.add(row.where, row_context.rstrip("."), "repeats an earlier tuning of the same row")
                     continue
                 seen.add(desc.hash)
-                variants.append(Variant(desc, display, where, speed))
+                variants.append(Variant(desc, display, where, speed, group_set == "full"))
     if not variants and not out.issues:
         out.add(spec.where, "variants", "the spec expands to no variant (everything excluded?)")
     return variants
@@ -372,8 +380,10 @@ def load_variants(specs_dir: Path, files: list[Path] | None = None) -> list[Vari
         variants.extend(_expand_spec(path, display, specs_dir, out))
     if out.issues:
         raise SpecError(out.issues)
-    # Identical descriptors asked for twice (overlapping groups or files) are built once.
+    # Identical descriptors asked for twice (overlapping groups or files) are built once, in the
+    # default set where any group that asks for them is in it.
     unique: dict[str, Variant] = {}
     for v in variants:
-        unique.setdefault(v.descriptor.hash, v)
+        if v.descriptor.hash not in unique or (unique[v.descriptor.hash].full_only and not v.full_only):
+            unique[v.descriptor.hash] = v
     return list(unique.values())

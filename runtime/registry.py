@@ -214,6 +214,10 @@ class KernelRegistry:
         if closest:
             lines.append("closest generated variants:")
             lines += [f"  {e.name}: {_describe(e.descriptor)}" for e in closest]
+        if self.manifest.build.get("selection", {}).get("set") == "default":
+            lines.append("This is a build of the default set: `make generate SET=full` also builds the spec groups "
+                         "marked `set: full` (on sm_90a, the portable family's kernels for what the hopper family "
+                         "covers).")
         lines.append(_yaml_hint(wanted, spec))
         return "\n".join(lines)
 

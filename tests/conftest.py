@@ -1,4 +1,5 @@
-"""Shared test setup: GPU tests skip with a stated reason where there is no GPU or no kernels.
+"""Shared test setup: GPU tests skip with a stated reason where there is no GPU, no kernels, or
+only the default set of them.
 
 `make gpu-test` sets FLASHKILN_REQUIRE_GPU=1, which turns those skips into failures, so a GPU
 run can never pass by skipping everything.
@@ -78,8 +79,14 @@ def _gpu_unavailable_reason() -> str | None:
     from flashkiln.manifest import MANIFEST_NAME
     from flashkiln.registry import default_kernel_dir
 
-    if not (default_kernel_dir() / MANIFEST_NAME).is_file():
+    manifest = default_kernel_dir() / MANIFEST_NAME
+    if not manifest.is_file():
         return f"no generated kernels in {default_kernel_dir()}: run `make generate`"
+    import json
+
+    if json.loads(manifest.read_text())["build"].get("selection", {}).get("set") == "default":
+        return (f"the kernels in {default_kernel_dir()} are the default set, and the GPU tests run both "
+                "families on one call: build the full set (`make generate SET=full`)")
     return None
 
 

@@ -80,12 +80,12 @@ def kernel_entry(d: VariantDescriptor, **overrides) -> KernelEntry:
     return KernelEntry(**{**fields, **overrides})
 
 
-def write_manifest(directory: Path, entries: list[KernelEntry]) -> Path:
-    """manifest.json plus each entry's cubin (the bytes of fake_cubin)."""
+def write_manifest(directory: Path, entries: list[KernelEntry], build: dict | None = None) -> Path:
+    """manifest.json (of `build`'s identity) plus each entry's cubin (the bytes of fake_cubin)."""
     directory.mkdir(parents=True, exist_ok=True)
     for e in entries:
         (directory / e.cubin).write_bytes(fake_cubin(e.variant))
-    manifest = Manifest(directory, {"nvrtc": "13.0"}, tuple(entries))
+    manifest = Manifest(directory, build or {"nvrtc": "13.0"}, tuple(entries))
     (directory / MANIFEST_NAME).write_text(manifest.to_json())
     return directory
 
@@ -190,6 +190,15 @@ def test_variant_not_found_explains_what_to_add(tmp_path):
     assert "    head_dims: [96]\n" in message
     assert "    arch: [sm_90a]\n" in message and "    causal: [bottom_right]\n" in message
     assert "fwd: sm_90a: 96: {tile_m: ..., tile_n: ..., warps: ..., stages: ...}" in message
+
+
+@pytest.mark.parametrize("kernel_set", ["default", "full"])
+def test_variant_not_found_in_a_default_build_names_the_full_set(tmp_path, kernel_set):
+    write_manifest(tmp_path, [kernel_entry(d) for d in all_variants()],
+                   {"nvrtc": "13.0", "selection": {"set": kernel_set}})
+    with pytest.raises(VariantNotFoundError) as info:
+        KernelRegistry(tmp_path, driver=FakeDriver()).find(request(d=96), (9, 0))
+    assert ("`make generate SET=full` also builds" in str(info.value)) == (kernel_set == "default")
 
 
 def test_variant_not_found_snippet_for_different_dims(tmp_path):
@@ -418,10 +427,10 @@ class PlannedBackward:
 
 def planned_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, capability, memory, registry,
                      bias=None, bias_grad=False, packed=None, dlse=None, sink=None, sink_parts=False, window=None,
-                     softcap=None):
+                     softcap=None, keys_complete=True):
     """The portable backward's launches, route and scratch for checked (kernel-side) tensors."""
     call = BackwardCall(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, bias, bias_grad, packed, dlse,
-                        sink, sink_parts, window, softcap)
+                        sink, sink_parts, window, softcap, keys_complete)
     scratch = ScratchSet(q.device)
     planned = portable_family.plan_backward(call, fake_target(capability, memory), registry, scratch)
     return PlannedBackward(planned.launches, planned.route, scratch.tensors)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from flashkiln.descriptor import VariantDescriptor
+from flashkiln.generator.build import Selection
 from flashkiln.generator.specs import SpecError, load_variants
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,6 +111,43 @@ def test_default_specs_expand_to_804_unique_variants():
     assert sum(v.descriptor.bias == "additive" for v in variants) == 240
     assert {v.spec_file for v in variants} == {SPEC, "specs/hopper.yaml"}
     assert all(v.spec_file == "specs/hopper.yaml" for v in variants if v.descriptor.family == "hopper")
+
+
+def test_the_default_set_leaves_out_the_groups_marked_full(tmp_path):
+    full_group = GOOD_SPEC.split("variants:\n")[1].replace("[fp16]", "[bf16]") + "    set: full\n"
+    variants = load_variants(write_specs(tmp_path, GOOD_SPEC + full_group))
+    assert len(variants) == 8 and sum(v.full_only for v in variants) == 4
+    assert {v.descriptor.dtype for v in Selection().variants(variants)} == {"fp16"}
+    assert len(Selection(full=True).variants(variants)) == 8
+    # A variant that a default group asks for too is in the default set.
+    both = load_variants(write_specs(tmp_path / "both", GOOD_SPEC.split("variants:\n")[0] + "variants:\n" +
+                                     full_group.replace("[bf16]", "[fp16]") + GOOD_SPEC.split("variants:\n")[1]))
+    assert len(both) == 4 and not any(v.full_only for v in both)
+
+
+def test_a_group_set_must_be_default_or_full(tmp_path):
+    error = spec_error(tmp_path, GOOD_SPEC + "    set: most\n")
+    assert_reported(error, SPEC, 9, "variants[0].set", "expected one of: default, full")
+
+
+def test_the_full_sets_sm90a_portable_kernels_are_what_the_hopper_family_covers():
+    """The default set builds each call's kernel once on sm_90a: what it leaves to the full set are
+    portable kernels whose calls a hopper kernel of the default set runs (its backward serves
+    deterministic calls, and stores the dS that the portable workspace route's bwd_dq reads)."""
+    variants = load_variants(REPO / "specs")
+    default = {v.descriptor.name for v in Selection().variants(variants)}
+    hopper = [v.descriptor for v in variants if v.descriptor.family == "hopper" and v.descriptor.name in default]
+
+    def covered(d: VariantDescriptor) -> bool:
+        kernel, bias = ("bwd", "additive") if d.kernel == "bwd_dq" else (d.kernel, d.bias)
+        return any(h.kernel == kernel and h.bias == bias and
+                   all(getattr(h, f) == getattr(d, f) for f in ("dtype", "d_qk", "d_v", "causal", "window", "softcap"))
+                   for h in hopper)
+
+    full_only = [v.descriptor for v in variants if v.full_only]
+    assert full_only and all(d.family == "portable" and d.arch == "sm_90a" for d in full_only)
+    assert [d.name for d in full_only if not covered(d)] == []
+    assert len(default) == 804 - len(full_only)
 
 
 def test_portable_kernels_are_never_packed(tmp_path):
@@ -342,14 +380,18 @@ def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 
 def test_cli_list_with_filter():
-    result = run_cli("list", "--specs", "specs", "--filter", "^fwd_portable_sm90a_bf16_d128_")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert len(lines) == 12  # 2 causal modes, with and without a bias, with and without a window; 4 with a softcap
-    expected = {d.name: d.hash for d in (v.descriptor for v in load_variants(REPO / "specs"))
-                if d.kernel == "fwd" and d.family == "portable" and d.arch == "sm_90a" and d.dtype == "bf16"
-                and d.d_qk == d.d_v == 128}
-    assert {tuple(line.split("  ")) for line in lines} == set(expected.items())
+    for kernel_set, count in (("default", 6), ("full", 12)):
+        result = run_cli("list", "--specs", "specs", "--filter", "^fwd_portable_sm90a_bf16_d128_", "--set", kernel_set)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        # Two causal modes: full, with and without a bias, with and without a window, and 4 with a
+        # softcap; the default set, the plain ones and the softcapped ones.
+        assert len(lines) == count
+        expected = {d.name: d.hash for d in (v.descriptor for v in load_variants(REPO / "specs"))
+                    if d.kernel == "fwd" and d.family == "portable" and d.arch == "sm_90a" and d.dtype == "bf16"
+                    and d.d_qk == d.d_v == 128
+                    and (kernel_set == "full" or (d.bias == "none" and (d.softcap or not d.window)))}
+        assert {tuple(line.split("  ")) for line in lines} == set(expected.items())
     assert "12 variant(s)" in result.stderr
 
 
