@@ -2,6 +2,7 @@
 from .version import __version__  # noqa: F401 (the package's version)
 from .forward import attention_forward
 from .backward import attention_backward
+from .context_parallel import context_parallel_attention
 from .descriptor import VariantDescriptor
 from .errors import (
     ArchMismatchError,
@@ -33,6 +34,7 @@ __all__ = [
     "VariantNotFoundError",
     "attention_backward",
     "attention_forward",
+    "context_parallel_attention",
     "scaled_dot_product_attention",
     "varlen_attention",
 ]
