@@ -19,8 +19,8 @@ A spec file (specs/*.yaml) names a family, its tuning table and groups of functi
 
 Each group expands to its cross product, minus the excludes. A group with `set: full` belongs to
 the full set only (`generate --set full`, `make generate SET=full`): kernels a build may do
-without, such as one family's duplicates of what another family covers on the same arch. The tuning table gives each
-(kernel, arch, head dims) its performance fields; a group may name a table of its own
+without, such as one family's duplicates of what another family covers on the same arch. The
+tuning table gives each (kernel, arch, head dims) its performance fields; a group may name a table of its own
 (`tuning: tuning/x.yaml` beside its axes) for variants that need other tiles (say, with a bias):
 
     fwd:
