@@ -29,6 +29,7 @@ import torch.distributed as dist
 import flashkiln
 from flashkiln.context_parallel import shard_sequence
 from host_overhead import training_step  # bench/ is on sys.path when one of its scripts runs
+from memory import step_peak_mib
 
 
 def causal_pairs(s: int, causal: bool) -> int:
@@ -59,15 +60,6 @@ def seconds_per_step(step: Callable[[], None], steps: int, repeats: int) -> floa
     return median.item()
 
 
-def peak_extra_mib(step: Callable[[], None]) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def measure(s_local: int, d: int, heads: int, kv_heads: int, causal: bool, args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -90,7 +82,7 @@ def measure(s_local: int, d: int, heads: int, kv_heads: int, causal: bool, args:
     one_tflops = step_flops(1, heads, s_local, d, causal) / t_one / 1e12
     for t in ring_leaves + one_leaves:
         t.grad = None
-    memory = torch.tensor([peak_extra_mib(ring), peak_extra_mib(one)], device="cuda")
+    memory = torch.tensor([step_peak_mib(ring), step_peak_mib(one)], device="cuda")
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     return {"s_local": s_local, "s": s, "d": d, "heads": heads, "kv_heads": kv_heads, "causal": causal,
             "ring_ms": t_ring * 1e3, "one_gpu_ms": t_one * 1e3, "ring_tflops_per_gpu": ring_tflops,

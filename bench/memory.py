@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkiln
+from host_overhead import training_step  # bench/ is on sys.path when one of its scripts runs
 
 SHAPES = [(d, s) for d in (64, 128, 256) for s in (16384, 32768)]
 HEADS = 16
@@ -42,15 +43,15 @@ def peak_mib(attend: Callable[..., torch.Tensor], d: int, s: int) -> float:
     q, k, v, dout = (torch.randn(1, HEADS, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                      for _ in range(4))
     leaves = [t.requires_grad_() for t in (q, k, v)]
-
-    def step() -> None:
-        for t in leaves:
-            t.grad = None
-        attend(*leaves).backward(dout)
-
+    step = training_step(attend, leaves, dout)
     step()  # warm: plans, kernels and cuDNN's graph exist before the measured step
     for t in leaves:
         t.grad = None
+    return step_peak_mib(step)
+
+
+def step_peak_mib(step: Callable[[], None]) -> float:
+    """Peak memory of one call of `step` above what was allocated before it, MiB."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()

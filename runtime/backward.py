@@ -162,8 +162,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   registry: KernelRegistry | None, backend: str | None) -> BackwardPlan:
     """Every check of a backward call, in order, then its plan (attention_backward's arguments)."""
     families.check_backend(backend)
-    if not isinstance(partial_keys, bool):
-        inputs.fail(f"partial_keys must be a bool, got {partial_keys!r}")
+    inputs.check_flag("partial_keys", partial_keys)
     if packed is not None:
         check_packed(q, k, v, packed)
         q, k, v = (as_batched(t) for t in (q, k, v))

@@ -40,11 +40,6 @@ def _backward_step(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 FLASHKILN_STEPS = StepOps(_forward_step, _backward_step)
 
 
-def _check_flag(name: str, value: object, optional: bool = False) -> None:
-    if not isinstance(value, bool) and not (optional and value is None):
-        inputs.fail(f"{name} must be {'None or ' if optional else ''}a bool, got {value!r}")
-
-
 def _check_group(group: dist.ProcessGroup | None, device: torch.device) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         inputs.fail("context_parallel_attention needs torch.distributed: call "
@@ -87,10 +82,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     for name, t in (("q", q), ("k", k), ("v", v)):
         inputs.check_tensor(name, t)
     inputs.check_qkv(q, k, v)
-    _check_flag("causal", causal)
-    _check_flag("load_balance", load_balance)
-    _check_flag("deterministic", deterministic, optional=True)
-    _check_flag("return_lse", return_lse)
+    inputs.check_flag("causal", causal)
+    inputs.check_flag("load_balance", load_balance)
+    inputs.check_flag("deterministic", deterministic, optional=True)
+    inputs.check_flag("return_lse", return_lse)
     _, scale = inputs.check_causal_scale(None, scale, q.shape[3])
     config = RingConfig(causal, load_balance, scale, deterministic)
     check_ring_inputs([q], [k], [v], config, 1)

@@ -22,6 +22,12 @@ def fail(message: str) -> None:
     raise InvalidInputError(message)
 
 
+def check_flag(name: str, value: object, optional: bool = False) -> None:
+    """A bool argument (or None, where `optional`), not a truthy stand-in."""
+    if not isinstance(value, bool) and not (optional and value is None):
+        fail(f"{name} must be {'None or ' if optional else ''}a bool, got {value!r}")
+
+
 def has_kernel_strides(t: torch.Tensor) -> bool:
     """Head dim contiguous and every other stride (of a dim longer than 1) a multiple of 16 bytes."""
     elems = _ALIGN_BYTES // t.element_size()
