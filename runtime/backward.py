@@ -330,7 +330,7 @@ def _score_gradients(scratch: dict[str, torch.Tensor], bias: KernelBias | None, 
             per_row, valid = sequence_rows(per_row, packed)
         extra = (key_constant_gradient(bias, *per_row, kernel_sink, scratch.get("dsink_parts"), valid),)
     elif bias is not None:
-        extra = (bias_gradient(scratch["ds_workspace"], bias),)
+        extra = (bias_gradient(scratch, bias),)
     if sink is not None:
         rows = None if packed is None else token_mask(packed.cu_seqlens_q, total_q)
         extra += (sink_gradient(sink, scratch["dsink_parts"], lse, dlse, rows),)

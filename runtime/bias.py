@@ -7,6 +7,10 @@ in 16-byte pieces, so rows must be 16-byte aligned and readable up to the next 1
 that is not is copied into padded rows first. dBias is the score gradient dS, which the workspace
 route already keeps in a dense (B, H_q, S_q, S_k) layout: a full bias's gradient is a view of it,
 a broadcast one its sum over the broadcast dims (a fixed-order torch reduction, so deterministic).
+The hopper backward reduces a broadcast bias's dS in its main kernel instead (`reduction`), so
+that no dense dS exists: a bias broadcast over the rows gets each CTA's column sums (B, H_q, S_k),
+one broadcast over batch entries or heads alone an fp32 sum in its own shape, which the CTAs that
+share a slice add to in a fixed order; both deterministic.
 
 A bias constant along the keys (its key dim is 1: broadcast, or S_k = 1) needs no dS at all: a
 row's dS sums to `mass_i * dLSE_i + p_i * delta_i` in exact arithmetic, where mass_i = sum_j P_ij,
@@ -100,13 +104,45 @@ def ds_row_elements(seqlen_k: int) -> int:
     return _padded_row(seqlen_k)
 
 
-def bias_gradient(workspace: torch.Tensor, bias: KernelBias) -> torch.Tensor:
-    """dBias in the bias's own shape from the workspace's dense dS: a view of it for a full bias,
-    else its sum over the broadcast dims."""
+# How a kernel that reduces dS itself (the hopper backward) gives dBias of a key-varying bias:
+# every dS tile into the dense workspace (a full bias, whose dBias it is), column sums per (batch,
+# head) (a bias broadcast over the rows), or one fp32 sum per slice of the bias (broadcast over
+# batch entries or heads alone).
+STORE, COLUMNS, SUM = "ds_workspace", "dbias_columns", "dbias_sum"
+
+
+def reduction(bias: KernelBias, packed: bool) -> str:
+    """Which of STORE, COLUMNS and SUM serves dBias of `bias` (not key-constant). The CTAs of a
+    packed batch's sequences visit different tiles, so that they cannot take turns on a bias
+    shared by batch entries: those store dS, which torch sums."""
+    dims = bias.broadcast_dims
+    if 2 in dims:
+        return COLUMNS
+    if not dims or (packed and 0 in dims):
+        return STORE
+    return SUM
+
+
+def sum_shape(bias: KernelBias) -> tuple[int, int, int, int]:
+    """The SUM accumulator: the bias's (batch entries, heads, S_q) by S_k in 8-element pieces."""
     b, hq, sq, sk = bias.tensor.shape
-    ds = workspace.view(b, hq, sq, ds_row_elements(sk))[..., :sk]
+    return (1 if 0 in bias.broadcast_dims else b, 1 if 1 in bias.broadcast_dims else hq, sq, ds_row_elements(sk))
+
+
+def bias_gradient(scratch: dict[str, torch.Tensor | None], bias: KernelBias) -> torch.Tensor:
+    """dBias in the bias's own shape from what the kernels left in `scratch` (`reduction`'s role,
+    or the workspace route's dense dS): a view of the dense dS for a full bias, else the sum over
+    the broadcast dims that the kernels have not already taken (fixed-order torch reductions)."""
+    b, hq, sq, sk = bias.tensor.shape
+    dtype = bias.tensor.dtype
+    if scratch.get(SUM) is not None:
+        return scratch[SUM][..., :sk].to(dtype).reshape(bias.shape)
+    if scratch.get(COLUMNS) is not None:
+        columns, dims = scratch[COLUMNS][:, :, None, :], tuple(d for d in bias.broadcast_dims if d < 2)
+        return (columns.sum(dim=dims, keepdim=True) if dims else columns).to(dtype).reshape(bias.shape)
+    ds = scratch[STORE].view(b, hq, sq, ds_row_elements(sk))[..., :sk]
     if bias.broadcast_dims:
-        ds = ds.sum(dim=bias.broadcast_dims, keepdim=True, dtype=torch.float32).to(workspace.dtype)
+        ds = ds.sum(dim=bias.broadcast_dims, keepdim=True, dtype=torch.float32).to(dtype)
     return ds.reshape(bias.shape)
 
 

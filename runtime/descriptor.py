@@ -76,6 +76,10 @@ AXES: tuple[Axis, ...] = (
     # Logit softcapping (Gemma 2's cap * tanh(score / cap)); the cap is a run-time value.
     Axis("softcap", (False, True), default=False, omit_at_default=True, per_entry=True, tag=_flag_tag("softcap"),
          spec_key="softcap", spec_required=False),
+    # A hopper backward that writes dBias of a key-varying bias (its dS stored or reduced): an entry
+    # point of its own beside the biased one without it, whose registers it would otherwise share.
+    Axis("bias_grad", (False, True), default=False, omit_at_default=True, per_entry=True, tag=_flag_tag("dbias"),
+         spec_key="bias_grad", spec_required=False),
 )
 AXIS = {a.name: a for a in AXES}
 FUNCTIONAL_FIELDS = tuple(a.name for a in AXES)
@@ -133,6 +137,7 @@ class VariantDescriptor:
     packed: bool = False
     window: bool = False
     softcap: bool = False
+    bias_grad: bool = False
 
     def __post_init__(self) -> None:
         problems = validation_errors(self.as_dict())

@@ -3,15 +3,15 @@
 Forward (hopper/fwd_*.hpp): of a variant's several tunings it takes the one flashkiln.tile_choice
 estimates fastest for the call's shape. Backward (hopper/bwd_*.hpp): the portable family's
 preprocess (delta, the dQ accumulator zeroed), the main kernel (a CTA per key tile and query
-head), then its own postprocess; dense and packed batches, with or without an additive bias
-(dBias of a key-varying bias plans on the portable family: flashkiln.families falls back where
-this planner refuses). One main kernel serves deterministic calls too: given semaphores it adds
-dQ in a fixed key-tile order.
+head), then its own postprocess; dense and packed batches, with or without an additive bias and
+dBias (which the main kernel reduces: flashkiln.bias). One main kernel serves deterministic calls
+too: given semaphores it adds dQ in a fixed key-tile order.
 """
 from __future__ import annotations
 
 import torch
 
+from . import bias as bias_mod
 from . import dq_routes, inputs, portable_family, tile_choice, tma
 from .bias import KernelBias
 from .calls import BackwardCall, ForwardCall
@@ -99,8 +99,9 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
 def backward_request(call: BackwardCall) -> dict:
     """The functional fields of the call's main backward kernel: one kernel per causal mode and
     bias serves deterministic calls (the runtime passes it semaphores) and packed batches (it reads
-    their sequence bounds) too."""
-    return call.kernel_request("bwd", NAME, causal=call.causal, bias="none" if call.bias is None else "additive")
+    their sequence bounds) too; dBias of a key-varying bias has kernels of its own (bias_grad)."""
+    return call.kernel_request("bwd", NAME, causal=call.causal, bias="none" if call.bias is None else "additive",
+                               bias_grad=call.bias_grad and not call.bias.key_constant)
 
 
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
@@ -109,15 +110,16 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     lacks (a forced dQ route other than the call's atomic or ordered one) and where TMA cannot
     address the tensors. A deterministic call, and a biased one, takes the ordered route: the same
     kernel, given dq_semaphore. dBias of a key-constant bias has a closed form (flashkiln.bias) from
-    delta and dsink_parts; of any other bias it comes from dS, which the kernel stores.
+    delta and dsink_parts; of any other bias it comes from dS, which the kernel stores or reduces.
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
     (GQA: fp32 per query head, summed over each group afterwards), dsink_parts (fp32 (B, H_q, key
     tiles) sums of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
     H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
-    a query tile's dQ), ds_workspace (dBias of a key-varying bias: dS, as the portable workspace
-    route keeps it)."""
+    a query tile's dQ), and for dBias of a key-varying bias one of ds_workspace (dS, as the
+    portable workspace route keeps it), dbias_columns and dbias_sum with dbias_semaphore (the
+    kernel's reductions, flashkiln.bias and hopper/bwd_params.hpp)."""
     bias = call.bias
     deterministic = call.ordered
     route = dq_routes.fallback_route(deterministic)
@@ -140,14 +142,19 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows
     f32 = torch.float32
     packed = call.packed is not None
-    if call.bias_grad and not bias.key_constant:
-        # dS of every tile, in the portable workspace route's layout, whose sum over the bias's
-        # broadcast dims is dBias (flashkiln.bias). The tiles no key tile visits (a causal mask, a
-        # window) and those past a packed sequence's ends are never stored: zeros.
-        skips_tiles = call.causal != "none" or call.window is not None or packed
-        scratch.take("ds_workspace", (portable_family.workspace_elements(shape, hq),), q.dtype, zeroed=skips_tiles)
-    else:
-        scratch.absent("ds_workspace")
+    for role in (bias_mod.STORE, bias_mod.COLUMNS, bias_mod.SUM, "dbias_semaphore"):
+        scratch.absent(role)
+    reduction = bias_mod.reduction(bias, packed) if call.bias_grad and not bias.key_constant else None
+    if reduction == bias_mod.STORE:
+        # The kernel zeroes the tiles that no key tile visits, not those past a packed sequence's ends.
+        scratch.take(reduction, (portable_family.workspace_elements(shape, hq),), q.dtype, zeroed=packed)
+    elif reduction == bias_mod.COLUMNS:
+        scratch.take(reduction, (b, hq, sk), f32, zeroed=True)
+    elif reduction == bias_mod.SUM:
+        sum_shape = bias_mod.sum_shape(bias)
+        scratch.take(reduction, sum_shape, f32, zeroed=True)
+        scratch.take("dbias_semaphore", (sum_shape[0] * sum_shape[1], ceil_div(sq, tile_m), ceil_div(sk, tile_n)),
+                     torch.int32, zeroed=True)
     scratch.take("delta", (layout_batches, hq, shape.total_q), f32)
     scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d), f32)  # zeroed by the preprocess
     if deterministic:

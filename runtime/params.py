@@ -141,7 +141,7 @@ class HopperBwdParams(ctypes.Structure):
         ("tma_bias", TmaDescriptor),
         *((name, ctypes.c_uint64) for name in ("lse", "delta", "dlse", "dq_accum", "dk", "dv", "dk_accum", "dv_accum",
                                                "sink", "dsink_parts", "dq_semaphore", "cu_seqlens_q", "cu_seqlens_k",
-                                               "ds_workspace")),
+                                               "ds_workspace", "dbias_columns", "dbias_sum", "dbias_semaphore")),
         *_strides("dk", "dv"),
         ("dq_accum_rows", ctypes.c_int64),
         *_int32("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "total_q", "total_k"),
@@ -151,7 +151,7 @@ class HopperBwdParams(ctypes.Structure):
                 "top_left"),
         ("softcap_scale", ctypes.c_float),
         ("keys_complete", ctypes.c_int32),
-        ("_pad", ctypes.c_int32 * 5),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("_pad", ctypes.c_int32 * 15),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

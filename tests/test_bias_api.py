@@ -9,7 +9,8 @@ import torch
 
 import flashkiln
 from flashkiln import launch
-from flashkiln.bias import bias_gradient, ds_row_elements, empty_bias_gradient, prepare_bias
+from flashkiln.bias import (COLUMNS, STORE, SUM, bias_gradient, ds_row_elements, empty_bias_gradient, prepare_bias,
+                            reduction, sum_shape)
 from flashkiln.dq_routes import ROUTE_ENV, WORKSPACE_BUDGET_ENV
 from test_backward_api import CAUSAL, H200_MEMORY, bwd_descriptor, make_registry, tensors
 from test_registry import planned_backward
@@ -68,17 +69,49 @@ def test_dbias_is_the_dense_workspace_or_its_sum_over_broadcast_dims():
     # padding holds NaN here, which must not leak into dBias.
     rows = torch.full((b, h, sq, ds_row_elements(sk)), float("nan"), dtype=torch.bfloat16)
     rows[..., :sk] = ds
-    workspace = rows.view(-1)
+    scratch = {STORE: rows.view(-1)}
     q = torch.empty(b, h, sq, 64, dtype=torch.bfloat16)
     for shape, dims in (((b, h, sq, sk), ()), ((1, h, sq, sk), (0,)), ((sq, sk), (0, 1)), ((b, 1, 1, sk), (1, 2))):
         bias = torch.zeros(shape, dtype=torch.bfloat16)
-        got = bias_gradient(workspace, prepare_bias(bias, (*q.shape[:3], sk), q))
+        got = bias_gradient(scratch, prepare_bias(bias, (*q.shape[:3], sk), q))
         expected = ds.float().sum(dims, keepdim=True).to(torch.bfloat16) if dims else ds
         assert got.shape == shape and torch.equal(got, expected.reshape(shape))
         # The custom op's fake gives the same strides, and a full bias's gradient is a view.
         assert empty_bias_gradient(bias, (*q.shape[:3], sk), q).stride() == got.stride()
-    assert bias_gradient(workspace, prepare_bias(torch.zeros(b, h, sq, sk, dtype=torch.bfloat16), (b, h, sq, sk), q)).data_ptr() \
-        == workspace.data_ptr()
+    full = prepare_bias(torch.zeros(b, h, sq, sk, dtype=torch.bfloat16), (b, h, sq, sk), q)
+    assert bias_gradient(scratch, full).data_ptr() == scratch[STORE].data_ptr()
+
+
+@pytest.mark.parametrize("shape, packed, expected", [
+    ((2, 3, 70, 150), False, STORE), ((2, 3, 70, 150), True, STORE),     # full: dS is dBias
+    ((1, 3, 70, 150), False, SUM), ((70, 150), False, SUM),             # shared by batch entries or heads
+    ((2, 1, 70, 150), True, SUM),                                       # heads of one sequence take turns
+    ((1, 3, 70, 150), True, STORE), ((70, 150), True, STORE),           # sequences visit different tiles
+    ((2, 3, 1, 150), False, COLUMNS), ((150,), True, COLUMNS),          # broadcast over the rows
+])
+def test_the_hopper_kernel_reduces_a_broadcast_bias_itself(shape, packed, expected):
+    q = torch.empty(2, 3, 70, 64, dtype=torch.bfloat16)
+    assert reduction(prepare_bias(torch.zeros(shape, dtype=torch.bfloat16), (2, 3, 70, 150), q), packed) == expected
+
+
+def test_dbias_from_the_kernels_reductions():
+    """What the hopper kernel leaves for COLUMNS (each (batch, head)'s sums over the rows) and SUM
+    (the fp32 sum in the bias's own shape, rows in 8-element pieces) becomes dBias in the bias's
+    shape, summed over what the kernel left broadcast, NaN padding left out."""
+    b, h, sq, sk = 2, 3, 70, 150
+    ds = torch.randn(b, h, sq, sk)
+    q = torch.empty(b, h, sq, 64, dtype=torch.bfloat16)
+    for shape, dims in (((b, h, 1, sk), (2,)), ((1, h, 1, sk), (0, 2)), ((sk,), (0, 1, 2))):
+        kb = prepare_bias(torch.zeros(shape, dtype=torch.bfloat16), (b, h, sq, sk), q)
+        got = bias_gradient({COLUMNS: ds.sum(2)}, kb)
+        assert got.shape == shape and torch.equal(got, ds.sum(dims, keepdim=True).to(torch.bfloat16).reshape(shape))
+    for shape, dims in (((1, h, sq, sk), (0,)), ((b, 1, sq, sk), (1,)), ((sq, sk), (0, 1))):
+        kb = prepare_bias(torch.zeros(shape, dtype=torch.bfloat16), (b, h, sq, sk), q)
+        total = torch.full(sum_shape(kb), float("nan"))
+        assert total.shape[-1] == ds_row_elements(sk)
+        total[..., :sk] = ds.sum(dims, keepdim=True)
+        got = bias_gradient({SUM: total}, kb)
+        assert got.shape == shape and torch.equal(got, ds.sum(dims, keepdim=True).to(torch.bfloat16).reshape(shape))
 
 
 @pytest.fixture

@@ -252,6 +252,7 @@ class FakeRegistry:
 class FakeCall:
     causal = "none"
     bias = None
+    bias_grad = False
 
     def request(self, family: str) -> dict:
         return {"family": family}

@@ -218,3 +218,35 @@ def test_a_biased_backward_is_bitwise_reproducible():
     for _ in range(19):
         again, _ = _backward(dout, q, k, v, "top_left", "hopper", bias=bias)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("shape, causal", [("11qk", None), ("1hqk", "bottom_right"), ("b1qk", None),
+                                           ("bh1k", "bottom_right"), ("111k", None)])
+def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal):
+    """dBias of a bias shared over batch entries, heads or rows comes from the kernel's own sums
+    (flashkiln.bias.reduction), not from a dense (B, H, S_q, S_k) dS: the backward's peak memory
+    stays below that dS's size; 20 runs are bitwise equal; the result matches the references."""
+    b, hq, hkv, sq, sk, d = 8, 8, 2, 1024, 1000, 64
+    seed = seed_of("hopper-dbias-reduced", shape, causal)
+    q, k, v, dout = _tensors(seed, b, hq, hkv, sq, sk, d, torch.bfloat16)
+    sizes = dict(zip("bhqk", (b, hq, sq, sk)), **{"1": 1})
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bias = torch.randn(tuple(sizes[c] for c in shape), device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias)
+    call = partial(flashkiln.attention_backward, dout, q, k, v, out, lse, causal=causal, bias=bias, bias_grad=True,
+                   backend="hopper")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    first = call()
+    torch.cuda.synchronize()
+    dense_ds = b * hq * sq * sk * 2
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak < dense_ds, f"peak {peak / 2**20:.0f} MiB, a dense dS alone is {dense_ds / 2**20:.0f} MiB"
+    for _ in range(19):
+        again = call()
+        assert all(torch.equal(x, y) for x, y in zip(first, again)), "runs differ"
+    refs = (attention_grad_reference(q, k, v, dout, causal, None, dtype, bias=bias) for dtype in (torch.float32,
+                                                                                                 q.dtype))
+    check_grads_against(first, *refs, _repro("test_a_broadcast_dbias_is_reduced_in_the_kernel", shape=shape,
+                                             causal=causal))

@@ -142,22 +142,27 @@ def test_template_references_only_context_keys():
 
 def test_every_descriptor_field_reaches_the_source():
     """Each field is a template parameter, or reaches the source through name/symbol/canonical
-    (`packed`, added later, only away from its default: portable kernels are never packed=true)."""
+    (`packed` and `bias_grad`, added later, only away from their defaults: portable kernels never
+    take them)."""
     d = DESCRIPTORS[0]
     used = variant_fields_used(d)
     assert {"name", "symbol", "canonical"} <= used
     source = render(d)
     for f in dataclasses.fields(VariantDescriptor):
-        if f.name not in used and f.name != "packed":
+        if f.name not in used and f.name not in ("packed", "bias_grad"):
             assert f'"{f.name}":{json.dumps(getattr(d, f.name))}' in source, f.name
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_packed_is_a_hopper_template_parameter(packed):
-    d = VariantDescriptor(kernel="fwd", family="hopper", arch="sm_90a", dtype="bf16", d_qk=128, d_v=128,
-                          causal="none", bias="none", deterministic=False, tile_m=128, tile_n=128, warps=12,
-                          stages=2, packed=packed)
-    assert re.search(rf"{str(packed).lower()},\s*// packed batches", render(d))
+@pytest.mark.parametrize("kernel, field, value, after", [
+    ("fwd", "packed", False, r",\s*// packed batches"), ("fwd", "packed", True, r",\s*// packed batches"),
+    ("bwd", "bias_grad", False, r">;\s*// bias_grad"), ("bwd", "bias_grad", True, r">;\s*// bias_grad"),
+])
+def test_flags_added_later_are_hopper_template_parameters(kernel, field, value, after):
+    tiles = {"fwd": dict(tile_m=128, bias="none"), "bwd": dict(tile_m=64, bias="additive")}[kernel]
+    d = VariantDescriptor(kernel=kernel, family="hopper", arch="sm_90a", dtype="bf16", d_qk=128, d_v=128,
+                          causal="none", deterministic=False, tile_n=128, warps=12, stages=2, **tiles,
+                          **{field: value})
+    assert re.search(str(value).lower() + after, render(d))
 
 
 @pytest.mark.parametrize("key", sorted(variant_fields_used(DESCRIPTORS[0])))

@@ -4,11 +4,13 @@ For A/B runs of two builds in one device call: run it once per tree (tools/pyenv
 compare the `flashkiln / cudnn` ratios, which absorb the drift between the two processes. Timing:
 bench/bench.py's, with L2 flushed before each timed call.
 Usage: tools/pyenv.sh python3 tools/time_backward.py LABEL [--reps N] [--backend FAMILY] [--sweep [VARIANT]]
+  [--seqlens S ...]
   > out.json
 (--sweep: S 1k-16k at d 64 and 128 instead of the A/B cases, as plain calls or deterministic or sink
-ones, or with an additive bias: "bias" of shape (B, H, S, S), "shared-bias" (1, 1, S, S), without
-dBias, and "dbias", "shared-dbias" the same with it; cuDNN's backward stays unbiased, the reference
-for every variant.)
+ones, or with an additive bias: "bias" of shape (B, H, S, S), "shared-bias" (1, 1, S, S), "head-bias"
+(1, H, S, S) and "row-bias" (B, H, 1, S), without dBias, and "dbias", "shared-dbias", "head-dbias" and
+"row-dbias" the same with it; cuDNN's backward stays unbiased, the reference for every variant. Each
+row has the peak memory of one flashkiln backward above what was allocated before it, in MiB.)
 """
 from __future__ import annotations
 
@@ -29,12 +31,12 @@ from bench import time_ms, visible_pairs  # noqa: E402  (bench/ is a folder of s
 CASES = [(d, s, causal, variant) for d in (64, 128, 256) for s in (2048, 8192) for causal in (False, True)
          for variant in ("plain",)]
 CASES += [(128, 4096, causal, variant) for causal in (False, True) for variant in ("deterministic", "sink")]
-VARIANTS = ("plain", "deterministic", "sink", "bias", "shared-bias", "dbias", "shared-dbias")
+BIAS_VARIANTS = ("bias", "shared-bias", "head-bias", "row-bias")
+VARIANTS = ("plain", "deterministic", "sink", *BIAS_VARIANTS, *(v.replace("bias", "dbias") for v in BIAS_VARIANTS))
 
 
-def sweep(variant: str) -> list[tuple[int, int, bool, str]]:
-    return [(d, s, causal, variant) for d in (64, 128) for causal in (False, True)
-            for s in (1024, 2048, 4096, 8192, 16384)]
+def sweep(variant: str, seqlens: tuple[int, ...]) -> list[tuple[int, int, bool, str]]:
+    return [(d, s, causal, variant) for d in (64, 128) for causal in (False, True) for s in seqlens]
 
 
 def main() -> None:
@@ -43,23 +45,32 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--backend", help="the backward's family (default: auto)")
     parser.add_argument("--sweep", nargs="?", const="plain", choices=VARIANTS)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
+                        help="the sweep's sequence lengths")
     args = parser.parse_args()
     rows = []
-    for d, s, causal, variant in sweep(args.sweep) if args.sweep else CASES:
+    for d, s, causal, variant in sweep(args.sweep, tuple(args.seqlens)) if args.sweep else CASES:
         b, h = 16384 // s, 2048 // d
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                          for _ in range(4))
         mode = "bottom_right" if causal else None
         sink = torch.linspace(-1.0, 2.0, h, device="cuda") if variant == "sink" else None
-        bias_shape = {"bias": (b, h, s, s), "shared-bias": (1, 1, s, s)}.get(variant.replace("dbias", "bias"))
+        bias_shape = {"bias": (b, h, s, s), "shared-bias": (1, 1, s, s), "head-bias": (1, h, s, s),
+                      "row-bias": (b, h, 1, s)}.get(variant.replace("dbias", "bias"))
         bias = None if bias_shape is None else torch.randn(bias_shape, device="cuda", dtype=torch.bfloat16,
                                                            generator=gen)
         out, lse = flashkiln.attention_forward(q, k, v, causal=mode, sink=sink, bias=bias, backend="portable")
-        ours = time_ms(lambda: flashkiln.attention_backward(
+        call = lambda: flashkiln.attention_backward(  # noqa: E731
             dout, q, k, v, out, lse, causal=mode, sink=sink, sink_grad=sink is not None, bias=bias,
-            bias_grad=variant.endswith("dbias"), deterministic=variant == "deterministic", backend=args.backend),
-            3, args.reps, flush_l2=True)
+            bias_grad=variant.endswith("dbias"), deterministic=variant == "deterministic", backend=args.backend)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        peak_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
+        ours = time_ms(call, 3, args.reps, flush_l2=True)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
@@ -68,6 +79,7 @@ def main() -> None:
         flops = 2.5 * 4 * b * h * d * visible_pairs(s, s, causal)
         rows.append({"label": args.label, "d": d, "S": s, "causal": causal, "variant": variant, "ms": ours,
                      "cudnn_ms": cudnn, "ratio": cudnn / ours, "tflops": flops / ours / 1e9,
+                     "peak_mib": round(peak_mib, 1),
                      "cudnn_tflops": flops / cudnn / 1e9})
         print(json.dumps(rows[-1]), flush=True)
 

@@ -60,7 +60,8 @@ class HopperFamily(Family):
         bias = d.bias != "none"
         tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + 2 * d.tile_m * d.tile_n)
         dq_staging = 4 * self.consumer_warpgroups(d) * d.tile_m * (d.d_qk // self.dq_parts(d))
-        barriers = 8 * (1 + 2 * d.stages + 2 * self.consumer_warpgroups(d))  # K/V, Q/dO ring, dQ staging
+        # K/V, Q/dO ring, dQ staging, dBias turns
+        barriers = 8 * (1 + 2 * d.stages + 2 * self.consumer_warpgroups(d) + 2)
         stats_and_barriers = 2 * 3 * d.tile_m * 4 + barriers + 4 * 8 + (not bias)  # + dSink's per-warp sums
         bias_tiles = bias * elem * d.stages * d.tile_m * d.tile_n
         return tiles + dq_staging + -(-stats_and_barriers // 1024) * 1024 + bias_tiles + _ALIGN_SLACK
@@ -90,6 +91,8 @@ class HopperFamily(Family):
         errors = []
         if d.kernel == "fwd" and d.deterministic:
             errors.append("deterministic=true: the forward is deterministic by construction")
+        if d.bias_grad and (d.kernel != "bwd" or d.bias == "none"):
+            errors.append("bias_grad=true: only the backward's main kernel with a bias writes dBias")
         for name, dim in (("d_qk", d.d_qk), ("d_v", d.d_v)):
             if dim % _BOX_COLS:
                 errors.append(f"{name}={dim}: must be a multiple of {_BOX_COLS} (whole 128-byte swizzle atoms)")

@@ -59,6 +59,9 @@ class PortableFamily(Family):
         if d.packed:
             errors.append("packed=true: portable kernels read the sequence bounds at run time, so their "
                           "packed=false kernels take packed batches too")
+        if d.bias_grad:
+            errors.append("bias_grad=true: the portable backward gives dBias through its workspace route; "
+                          "list bias_grad: [false]")
         return errors
 
     def tuning_errors(self, d: VariantDescriptor) -> list[str]:

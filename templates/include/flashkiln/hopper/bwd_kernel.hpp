@@ -45,10 +45,14 @@ __device__ __forceinline__ void bulk_reduce_add(float* global, uint32_t shared, 
 // have added to it. The bulk adds run in the async proxy and the counts in the generic one, so a
 // proxy fence stands between the acquire and the next add, and between an add's completion (not
 // only its reads of shared memory) and the release.
-__device__ __forceinline__ void wait_for_turn(int* semaphore, int turn) {
-  cuda::atomic_ref<int, cuda::thread_scope_device> count(*semaphore);
-  while (count.load(cuda::memory_order_acquire) != turn) {
+__device__ __forceinline__ void wait_for_count(int* semaphore, int count) {
+  cuda::atomic_ref<int, cuda::thread_scope_device> counter(*semaphore);
+  while (counter.load(cuda::memory_order_acquire) != count) {
   }
+}
+
+__device__ __forceinline__ void wait_for_turn(int* semaphore, int turn) {
+  wait_for_count(semaphore, turn);
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
@@ -160,6 +164,49 @@ __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::S
     if (semaphore != nullptr) {
       pass_turn(semaphore);
     }
+  }
+}
+
+// A bias shared by several (batch entry, head) pairs, broadcast over batch entries or heads but
+// not rows: its dBias tile (m, n) is the sum of their dS tiles, which their CTAs add to
+// p.dbias_sum in the order of `member` (their position among the pairs that share the slice,
+// batch entries before heads). The count of (slice, m, n) says how many have added.
+struct DbiasShare {
+  int slice, member;
+};
+
+__device__ __forceinline__ DbiasShare dbias_share(HopperBwdParams const& p, int batch, int head) {
+  const int slices_per_entry = p.bias_head_step ? p.heads_q : 1;
+  const int members_per_entry = p.bias_head_step ? 1 : p.heads_q;
+  return {(p.bias_batch_step ? batch * slices_per_entry : 0) + (p.bias_head_step ? head : 0),
+          (p.bias_batch_step ? 0 : batch * members_per_entry) + (p.bias_head_step ? 0 : head)};
+}
+
+template <class T>
+__device__ __forceinline__ int* dbias_counts(HopperBwdParams const& p, int slice, int n_block) {
+  const int64_t tiles_q = ceil_div(p.seqlen_q, T::kBlockM), tiles_k = ceil_div(p.seqlen_k, T::kBlockN);
+  return reinterpret_cast<int*>(p.dbias_semaphore) + int64_t(slice) * tiles_q * tiles_k + n_block;
+}
+
+// One thread of the producer warpgroup: per query tile, waits for this CTA's turn to add its dS
+// tile, hands it to the consumers (dbias_turn), and once they have issued their adds
+// (dbias_done) makes them visible and passes the turn on. The adds are the consumers' own, so
+// the release follows a fence that orders what the dbias_done barrier made this thread observe.
+template <class T>
+__device__ __forceinline__ void pass_dbias_turns(HopperBwdParams const& p, typename T::SharedStorage& ss,
+                                                 Sequence const& s, int n_block, int head) {
+  const TileRange tiles = query_tiles<T>(p, s, n_block);
+  const DbiasShare share = dbias_share(p, s.batch, head);
+  int* const counts = dbias_counts<T>(p, share.slice, n_block);
+  const int tiles_k = ceil_div(p.seqlen_k, T::kBlockN);
+  uint32_t phase = 0;
+  for (int m = tiles.first; m < tiles.end; ++m, phase ^= 1) {
+    int* const count = counts + int64_t(m) * tiles_k;
+    wait_for_count(count, share.member);
+    Barrier::arrive(&ss.dbias_turn);
+    Barrier::wait(&ss.dbias_done, phase);
+    __threadfence();
+    cuda::atomic_ref<int, cuda::thread_scope_device>(*count).fetch_add(1, cuda::memory_order_release);
   }
 }
 
@@ -330,10 +377,11 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);  // the sums are read before dS is stored
   };
 
-  // dBias of a key-varying bias: every tile's dS, into this (batch, head)'s plane of the workspace.
-  [[maybe_unused]] const int ds_ld = ceil_div(p.seqlen_k, 8) * 8;
-  [[maybe_unused]] Element* const ds_plane =
-      reinterpret_cast<Element*>(p.ds_workspace) + (int64_t(s.batch) * p.heads_q + head) * p.seqlen_q * ds_ld;
+  // dBias of a key-varying bias (HopperBwdParams::ds_workspace, dbias_columns, dbias_sum): planes of
+  // seqlen_q rows by ds_ld keys. Their offsets are recomputed where they are used, from values the
+  // loop keeps anyway: the consumers have no registers to spare across it.
+  [[maybe_unused]] auto ds_ld = [&] { return ceil_div(p.seqlen_k, 8) * 8; };
+  [[maybe_unused]] auto ds_plane = [&] { return (int64_t(s.batch) * p.heads_q + head) * p.seqlen_q * ds_ld(); };
 
   PipelineState<T::kStages> st;
   for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
@@ -402,11 +450,46 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         acc_dp(i) *= softcap_slope(acc_s(i), stats.lse_log2[row], inv_scale_log2, p.softcap_scale);
       }
     }
+    if constexpr (T::kBiasGrad) {
+      if (p.dbias_columns != 0) {
+        // The tile's sums over its rows of this thread's two keys, then over the lanes that hold
+        // the same keys (lane / 4), added by one of them: the adds of an address come from one
+        // thread in tile order, so the sums are deterministic.
+        float sums[2] = {0.f, 0.f};
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dp); ++i) {
+          sums[(get<0>(cS(i)) - get<0>(cS(0))) / 8] += acc_dp(i);  // compile-time index once unrolled
+        }
+        CUTE_UNROLL
+        for (int g = 0; g < 2; ++g) {
+          sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 1);
+          sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 2);
+          const int key = key0 + get<0>(cS(0)) + 8 * g;  // this thread's keys: its first and 8 on
+          if (thread % 4 == 0 && key < s.seqlen_k) {
+            const int64_t row = (int64_t(s.batch) * p.heads_q + head) * p.seqlen_k;
+            atomicAdd(reinterpret_cast<float*>(p.dbias_columns) + row + key, sums[g]);
+          }
+        }
+      }
+    }
     ds_regs = convert_fragment<Element>(acc_dp);
     wgmma_gemm<false>(mma_kv, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
-    if constexpr (T::kBias) {
+    if constexpr (T::kBiasGrad) {
       if (p.ds_workspace != 0) {
-        store_rows_of_transposed(ds_regs, cS, ds_plane, row0, key0, s.seqlen_q, ds_ld);
+        Element* const plane = reinterpret_cast<Element*>(p.ds_workspace) + ds_plane();
+        for_rows_of_transposed(ds_regs, cS, row0, key0, s.seqlen_q, ds_ld(), [&](int64_t index, uint32_t keys) {
+          *reinterpret_cast<uint32_t*>(plane + index) = keys;
+        });
+      } else if (p.dbias_sum != 0) {
+        float* const plane = reinterpret_cast<float*>(p.dbias_sum) +
+                             int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ds_ld();
+        cutlass::NumericArrayConverter<float, Element, 2> convert;
+        Barrier::wait(&ss.dbias_turn, (m - tiles.first) % 2);  // a turn per tile (pass_dbias_turns)
+        for_rows_of_transposed(ds_regs, cS, row0, key0, s.seqlen_q, ds_ld(), [&](int64_t index, uint32_t keys) {
+          const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(keys));
+          atomicAdd(reinterpret_cast<float2*>(plane + index), make_float2(pair[0], pair[1]));
+        });
+        Barrier::arrive(&ss.dbias_done);
       }
     }
     Element* const ds = ss.ds + buffer * T::kElemsdS;
@@ -433,6 +516,26 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
 
     if (own_dq) {
       stage_dq();
+    }
+  }
+
+  if constexpr (T::kBiasGrad) {
+    if (p.ds_workspace != 0) {
+      // The rows of the query tiles that do not see this key tile: dS = 0, in 16-byte pieces.
+      Element* const plane = reinterpret_cast<Element*>(p.ds_workspace) + ds_plane();
+      const int ld = ds_ld();
+      constexpr int kPieces = T::kBlockN / 8;
+      const int skipped_before = min(tiles.first * T::kBlockM, s.seqlen_q);
+      const int visited_end = max(skipped_before, min(tiles.end * T::kBlockM, s.seqlen_q));
+      const int skipped = skipped_before + s.seqlen_q - visited_end;
+      for (int i = thread; i < skipped * kPieces; i += T::kConsumerThreads) {
+        const int n = i / kPieces;
+        const int row = n < skipped_before ? n : visited_end + n - skipped_before;
+        const int key = key0 + i % kPieces * 8;
+        if (key < ld) {
+          *reinterpret_cast<uint4*>(plane + int64_t(row) * ld + key) = make_uint4(0, 0, 0, 0);
+        }
+      }
     }
   }
 
@@ -512,6 +615,8 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
       Barrier::init(&ss.dq_full[w], 128);
       Barrier::init(&ss.dq_empty[w], 1);
     }
+    Barrier::init(&ss.dbias_turn, 1);
+    Barrier::init(&ss.dbias_done, T::kConsumerThreads);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -523,6 +628,8 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
       produce<T>(p, ss, s, n_block, head);
     } else if (threadIdx.x % 32 == 0 && warp <= T::kConsumerWarpgroups) {
       write_dq<T>(p, ss, s, warp - 1, n_block, head);
+    } else if (threadIdx.x == 32 * (T::kConsumerWarpgroups + 1) && T::kBiasGrad && p.dbias_sum != 0) {
+      pass_dbias_turns<T>(p, ss, s, n_block, head);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();

@@ -33,9 +33,19 @@ struct HopperBwdParams {
   // deterministic call) the key tiles add each part of a query tile's dQ in a fixed order; or 0
   uint64_t dq_semaphore;
   uint64_t cu_seqlens_q, cu_seqlens_k;  // int (batch + 1,): a packed batch's sequence bounds, or 0
-  // dS of every visited tile (dBias of a bias that varies along the keys, runtime/bias.py), in the
-  // portable workspace route's layout (portable/bwd_tiles.hpp), or 0
+  // dBias of a bias that varies along the keys (runtime/bias.py), one of these three or none:
+  // dS of every tile in the portable workspace route's layout (portable/bwd_tiles.hpp), the tiles
+  // no query tile visits as zeros (a full bias: this is its dBias);
   uint64_t ds_workspace;
+  // float (batch, heads_q, seqlen_k), zeroed: dS summed over the rows, tile by tile (a bias
+  // broadcast over the rows: dBias sums this over its other broadcast dims);
+  uint64_t dbias_columns;
+  // float (bias batch entries, bias heads, seqlen_q, seqlen_k in 8-element pieces), zeroed: dS
+  // added into the bias's own rows by the (batch, head) pairs that share them in a fixed order,
+  // counted per (bias slice, query tile, key tile) by dbias_semaphore, int, zeroed (a bias
+  // broadcast over batch entries or heads only).
+  uint64_t dbias_sum;
+  uint64_t dbias_semaphore;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
   int64_t dq_accum_rows;  // per head: seqlen_q rounded up to kDqAccumRowAlign
@@ -49,7 +59,7 @@ struct HopperBwdParams {
   int32_t window_left, window_right, top_left;  // as in HopperFwdParams
   float softcap_scale;                          // as in HopperFwdParams
   int32_t keys_complete;                        // as in BwdParams
-  int32_t _pad[5];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  int32_t _pad[15];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln

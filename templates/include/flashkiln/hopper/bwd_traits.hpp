@@ -22,9 +22,13 @@ namespace flashkiln::hopper {
 using namespace cute;
 
 template <class Element_, int kDim_, int kBlockM_, int kBlockN_, int kStages_, Causal kCausal_, bool kBias_,
-          bool kWindow_, bool kSoftcap_>
+          bool kWindow_, bool kSoftcap_, bool kBiasGrad_>
 struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   using Element = Element_;
+  // dBias of a key-varying bias from dS (bwd_kernel.hpp): its own entry point, so that the code
+  // that writes or reduces dS leaves the registers of the kernel without it alone.
+  static constexpr bool kBiasGrad = kBiasGrad_;
+  static_assert(!kBiasGrad || kBias_, "dBias needs a bias");
   static constexpr int kDim = kDim_;  // d_qk == d_v
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -119,6 +123,8 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
     uint64_t q_empty[kStages];  // every consumer finished the stage's GEMMs
     uint64_t dq_full[kConsumerWarpgroups];   // the warpgroup's dQ part is staged in dq
     uint64_t dq_empty[kConsumerWarpgroups];  // its writer's bulk add has read it
+    uint64_t dbias_turn;  // this CTA's turn to add its dS tile to the shared dBias (pass_dbias_turns)
+    uint64_t dbias_done;  // every consumer has issued its adds of the tile
     float sink_sums[kConsumerThreads / 32];  // dSink: each consumer warp's share of the CTA's sum
     cute::conditional_t<kBias_, BiasTiles, NoBias> bias;
   };

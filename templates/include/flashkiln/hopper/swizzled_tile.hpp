@@ -113,14 +113,14 @@ __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coo
 }
 
 // A transposed (keys, rows) accumulator fragment of 2-byte entries (the backward's S^T layout,
-// as bias_transposed_into reads) into a row-major (rows, keys) plane of `ld` elements: the entry
-// pair i, i + 1 holds rows r, r + 1 of one key, and lane l ^ 4 holds the same rows of the
-// neighbouring key, so one exchange gives each lane two neighbouring keys of one row (the even
-// key's lane row r, the other row r + 1), stored as 4 bytes. Rows from `rows` on and keys from `ld`
-// on are not stored; `ld` is even.
-template <class Frag, class Coords, class Element>
-__device__ __forceinline__ void store_rows_of_transposed(Frag const& frag, Coords const& coords, Element* plane,
-                                                         int row0, int key0, int rows, int ld) {
+// as bias_transposed_into reads) as row-major (rows, keys) pairs: the entry pair i, i + 1 holds
+// rows r, r + 1 of one key, and lane l ^ 4 holds the same rows of the neighbouring key, so one
+// exchange gives each lane two neighbouring keys of one row (the even key's lane row r, the other
+// row r + 1). `emit(index, keys)` gets each pair inside `rows` rows and `ld` keys (`ld` even) with
+// its element index row * ld + key in a plane of `ld` columns.
+template <class Frag, class Coords, class Emit>
+__device__ __forceinline__ void for_rows_of_transposed(Frag const& frag, Coords const& coords, int row0, int key0,
+                                                       int rows, int ld, Emit&& emit) {
   static_assert(sizeof(typename Frag::value_type) == 2, "pairs of 2-byte entries");
   const bool even_key = (threadIdx.x / 4) % 2 == 0;  // keys k0 + lane / 4 (+ 8) of an m64 fragment
   CUTE_UNROLL
@@ -131,7 +131,7 @@ __device__ __forceinline__ void store_rows_of_transposed(Frag const& frag, Coord
     const int key = key0 + get<0>(coords(i)) - (even_key ? 0 : 1);
     const int row = row0 + get<1>(coords(i)) + (even_key ? 0 : 1);
     if (row < rows && key < ld) {
-      *reinterpret_cast<uint32_t*>(plane + int64_t(row) * ld + key) = keys;
+      emit(int64_t(row) * ld + key, keys);
     }
   }
 }
