@@ -263,7 +263,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     place by default; on the portable family, where it is faster, dS can be kept in a workspace of
     B * H_q * S_q * S_k elements and dq computed from it by a second kernel, if that fits
     $FLASHKILN_BACKWARD_WORKSPACE_MIB (default 0: off). dBias of a bias that varies along the keys
-    keeps dS in that workspace on either family. Gradients come back with
+    keeps dS in that workspace on the portable family; the hopper family stores a full bias's dS
+    there and reduces a broadcast one's in its kernel (flashkiln.bias). Gradients come back with
     their inputs' strides (contiguous where those strides are not 16-byte aligned), or in the
     buffers dq, dk, dv when given (which must not overlap themselves or an input). A query row that
     saw no key gets a zero dq row.
