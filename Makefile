@@ -8,7 +8,7 @@ JOBS ?= $(shell nproc)
 SPECS ?= specs
 OUT ?= generated
 # Archs to build, comma-separated (e.g. ARCHS=sm_80,sm_90a), or `all`: every arch the specs list.
-# The default is Hopper's alone: its default set takes 12 minutes cold on two cores (docs/perf.md, v24).
+# The default is Hopper's alone: its default set takes 16 minutes cold on two cores (docs/perf.md, v25).
 ARCHS ?= sm_90a
 # Kernel set: `default`, or `full`, which adds the spec groups marked `set: full` (on sm_90a the
 # portable family's kernels for what the hopper family covers: for tests of both families).
