@@ -129,6 +129,12 @@ def sum_shape(bias: KernelBias) -> tuple[int, int, int, int]:
     return (1 if 0 in bias.broadcast_dims else b, 1 if 1 in bias.broadcast_dims else hq, sq, ds_row_elements(sk))
 
 
+def workspace_planes(workspace: torch.Tensor, b: int, hq: int, sq: int, sk: int) -> torch.Tensor:
+    """The STORE workspace as dS of (B, H_q, S_q, S_k) scores: rows padded to 16 bytes (what the
+    kernels' planes are)."""
+    return workspace.view(b, hq, sq, ds_row_elements(sk))[..., :sk]
+
+
 def bias_gradient(scratch: dict[str, torch.Tensor | None], bias: KernelBias) -> torch.Tensor:
     """dBias in the bias's own shape from what the kernels left in `scratch` (`reduction`'s role,
     or the workspace route's dense dS): a view of the dense dS for a full bias, else the sum over
@@ -140,7 +146,7 @@ def bias_gradient(scratch: dict[str, torch.Tensor | None], bias: KernelBias) -> 
     if scratch.get(COLUMNS) is not None:
         columns, dims = scratch[COLUMNS][:, :, None, :], tuple(d for d in bias.broadcast_dims if d < 2)
         return (columns.sum(dim=dims, keepdim=True) if dims else columns).to(dtype).reshape(bias.shape)
-    ds = scratch[STORE].view(b, hq, sq, ds_row_elements(sk))[..., :sk]
+    ds = workspace_planes(scratch[STORE], b, hq, sq, sk)
     if bias.broadcast_dims:
         ds = ds.sum(dim=bias.broadcast_dims, keepdim=True, dtype=torch.float32).to(dtype)
     return ds.reshape(bias.shape)

@@ -17,7 +17,8 @@ from .bias import KernelBias
 from .calls import BackwardCall, ForwardCall
 from .errors import UnsupportedError
 from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
-from .params import BATCH_INNER, HEADS_INNER, QUERY_TILES_INNER, BwdParams, HopperBwdParams, HopperFwdParams
+from .params import (BATCH_INNER, HEADS_INNER, QUERY_TILES_INNER, BwdParams, HopperBwdParams, HopperFwdParams,
+                     TmaDescriptor)
 from .registry import KernelRegistry
 
 NAME = "hopper"
@@ -145,9 +146,11 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     for role in (bias_mod.STORE, bias_mod.COLUMNS, bias_mod.SUM, "dbias_semaphore"):
         scratch.absent(role)
     reduction = bias_mod.reduction(bias, packed) if call.bias_grad and not bias.key_constant else None
+    dbias_map = TmaDescriptor()
     if reduction == bias_mod.STORE:
         # The kernel zeroes the tiles that no key tile visits, not those past a packed sequence's ends.
-        scratch.take(reduction, (portable_family.workspace_elements(shape, hq),), q.dtype, zeroed=packed)
+        workspace = scratch.take(reduction, (portable_family.workspace_elements(shape, hq),), q.dtype, zeroed=packed)
+        dbias_map = tma.encode(bias_mod.workspace_planes(workspace, b, hq, sq, sk), tile_m, whole_boxes=False)
     elif reduction == bias_mod.COLUMNS:
         scratch.take(reduction, (b, hq, sk), f32, zeroed=True)
     elif reduction == bias_mod.SUM:
@@ -182,10 +185,11 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         **encoded, **inputs.stride_fields("dk", call.dk), **inputs.stride_fields("dv", call.dv),
         dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), **scores,
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step,
-        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step,
+        bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step, tma_dbias=dbias_map,
         keys_complete=int(call.keys_complete))
     tensors = {**call.tensors(), **scratch.tensors}
-    roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {})}
+    roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {}),
+             **({"tma_dbias": bias_mod.STORE} if reduction == bias_mod.STORE else {})}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
     launches = [
         KernelLaunch.planned(pre, (ceil_div(sq_rounded, pre.descriptor["tile_m"]), hq, b), rows, tensors),

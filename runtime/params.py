@@ -139,6 +139,7 @@ class HopperBwdParams(ctypes.Structure):
         ("tma_v", TmaDescriptor),
         ("tma_do", TmaDescriptor),
         ("tma_bias", TmaDescriptor),
+        ("tma_dbias", TmaDescriptor),
         *((name, ctypes.c_uint64) for name in ("lse", "delta", "dlse", "dq_accum", "dk", "dv", "dk_accum", "dv_accum",
                                                "sink", "dsink_parts", "dq_semaphore", "cu_seqlens_q", "cu_seqlens_k",
                                                "ds_workspace", "dbias_columns", "dbias_sum", "dbias_semaphore")),

@@ -1,11 +1,11 @@
 // Hopper attention backward (sm_90a), the main kernel: a CTA per (key tile, query head, batch
 // entry), warp-specialized. Warpgroup 0 is the producer: one thread loads K and V once, then Q
-// and dO of every query tile that sees the key tile through a ring of kStages buffers, and one
-// thread per consumer warpgroup adds the dQ that warpgroup stages to an fp32 accumulator with
-// bulk reduce-adds (in a fixed key-tile order for a deterministic call). Each consumer
-// warpgroup owns 64 keys and keeps their dK and dV in registers over the loop. Around it run
-// the preprocess (delta, the accumulator zeroed) and the postprocess (hopper/bwd_post.hpp). See
-// docs/design.md, "Hopper backward kernel".
+// and dO of every query tile that sees the key tile through a ring of kStages buffers (and stores
+// the dS tiles that are a full bias's dBias), and one thread per consumer warpgroup adds the dQ
+// that warpgroup stages to an fp32 accumulator with bulk reduce-adds (in a fixed key-tile order
+// for a deterministic call). Each consumer warpgroup owns 64 keys and keeps their dK and dV in
+// registers over the loop. Around it run the preprocess (delta, the accumulator zeroed) and the
+// postprocess (hopper/bwd_post.hpp). See docs/design.md, "Hopper backward kernel".
 #pragma once
 
 #include <cuda/atomic>
@@ -25,6 +25,7 @@
 #include <flashkiln/hopper/pipeline.hpp>
 #include <flashkiln/hopper/shared_storage.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
+#include <flashkiln/hopper/transposed_tile.hpp>
 
 namespace flashkiln::hopper {
 
@@ -76,6 +77,21 @@ __device__ __forceinline__ TileRange query_tiles(HopperBwdParams const& p, Seque
                                                       ceil_div(s.seqlen_q, T::kBlockM));
 }
 
+// Query tile m's dS, which the consumers left in the bias tile of `stage`, to the dBias of a full
+// bias (HopperBwdParams::tma_dbias: a sequence's plane, clipped at its rows and keys), with its reads
+// of the stage done on return.
+template <class T>
+__device__ __forceinline__ void store_ds_tile(HopperBwdParams const& p, typename T::SharedStorage& ss,
+                                              Sequence const& s, int stage, int m, int n_block, int head) {
+  CUTE_UNROLL
+  for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
+    cute::SM90_TMA_STORE_4D::copy(&p.tma_dbias, ss.bias.tiles + stage * T::kElemsBias + c * T::kBlockM * T::kBoxCols,
+                                  n_block * T::kBlockN + c * T::kBoxCols, m * T::kBlockM, head, s.batch);
+  }
+  cute::tma_store_arrive();
+  cute::tma_store_wait<0>();
+}
+
 // Token coordinates fit in int (runtime/varlen.py).
 template <class T>
 __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
@@ -98,9 +114,23 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kBoxCols, key_row, head_kv, entry);
   }
   const TileRange tiles = query_tiles<T>(p, s, n_block);
+  // A full bias's dBias: the consumers leave each tile's dS in its stage's bias tile, which this
+  // thread stores once they release the stage, before the stage's next load or after the last.
+  const int drain = T::kBiasGrad && p.ds_workspace != 0 ? T::kStages : 0;
   PipelineState<T::kStages> st;
-  for (int m = tiles.first; m < tiles.end; ++m) {
-    Barrier::wait(&ss.q_empty[st.stage], st.phase ^ 1);
+  for (int m = tiles.first; m < tiles.end + drain; ++m, st.advance()) {
+    const int held = m - T::kStages;  // the query tile this stage last held
+    if (m < tiles.end || held >= tiles.first) {
+      Barrier::wait(&ss.q_empty[st.stage], st.phase ^ 1);
+    }
+    if constexpr (T::kBiasGrad) {
+      if (drain != 0 && held >= tiles.first) {
+        store_ds_tile<T>(p, ss, s, st.stage, held, n_block, head);
+      }
+    }
+    if (m >= tiles.end) {
+      continue;
+    }
     const uint32_t bias_bytes = !T::kBias ? 0 : p.bias_row_step ? T::kBytesBias : T::kBytesBiasRow;
     TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], 2 * T::kBytesQ + bias_bytes);
     CUTE_UNROLL
@@ -121,7 +151,9 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
                  head * p.bias_head_step, s.batch * p.bias_batch_step);
       }
     }
-    st.advance();
+  }
+  if (drain != 0) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   }
 }
 
@@ -182,12 +214,6 @@ __device__ __forceinline__ DbiasShare dbias_share(HopperBwdParams const& p, int 
           (p.bias_batch_step ? 0 : batch * members_per_entry) + (p.bias_head_step ? 0 : head)};
 }
 
-template <class T>
-__device__ __forceinline__ int* dbias_counts(HopperBwdParams const& p, int slice, int n_block) {
-  const int64_t tiles_q = ceil_div(p.seqlen_q, T::kBlockM), tiles_k = ceil_div(p.seqlen_k, T::kBlockN);
-  return reinterpret_cast<int*>(p.dbias_semaphore) + int64_t(slice) * tiles_q * tiles_k + n_block;
-}
-
 // One thread of the producer warpgroup: per query tile, waits for this CTA's turn to add its dS
 // tile, hands it to the consumers (dbias_turn), and once they have issued their adds
 // (dbias_done) makes them visible and passes the turn on. The adds are the consumers' own, so
@@ -197,11 +223,11 @@ __device__ __forceinline__ void pass_dbias_turns(HopperBwdParams const& p, typen
                                                  Sequence const& s, int n_block, int head) {
   const TileRange tiles = query_tiles<T>(p, s, n_block);
   const DbiasShare share = dbias_share(p, s.batch, head);
-  int* const counts = dbias_counts<T>(p, share.slice, n_block);
-  const int tiles_k = ceil_div(p.seqlen_k, T::kBlockN);
+  const int64_t tiles_q = ceil_div(p.seqlen_q, T::kBlockM), tiles_k = ceil_div(p.seqlen_k, T::kBlockN);
+  int* const counts = reinterpret_cast<int*>(p.dbias_semaphore) + (share.slice * tiles_q) * tiles_k + n_block;
   uint32_t phase = 0;
   for (int m = tiles.first; m < tiles.end; ++m, phase ^= 1) {
-    int* const count = counts + int64_t(m) * tiles_k;
+    int* const count = counts + m * tiles_k;
     wait_for_count(count, share.member);
     Barrier::arrive(&ss.dbias_turn);
     Barrier::wait(&ss.dbias_done, phase);
@@ -476,18 +502,21 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     wgmma_gemm<false>(mma_kv, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
     if constexpr (T::kBiasGrad) {
       if (p.ds_workspace != 0) {
-        Element* const plane = reinterpret_cast<Element*>(p.ds_workspace) + ds_plane();
-        for_rows_of_transposed(ds_regs, cS, row0, key0, s.seqlen_q, ds_ld(), [&](int64_t index, uint32_t keys) {
-          *reinterpret_cast<uint32_t*>(plane + index) = keys;
-        });
+        // Into the stage's bias tile, for the producer's store (store_ds_tile): a warp writes the
+        // entries it read of it (bias_transposed_into), so no other warp's reads are pending there.
+        store_rows_of_transposed<T::kBlockM>(ds_regs, cS,
+                                             cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias));
       } else if (p.dbias_sum != 0) {
+        const int ld = ds_ld();
         float* const plane = reinterpret_cast<float*>(p.dbias_sum) +
-                             int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ds_ld();
+                             (int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q + row0) * ld + key0;
         cutlass::NumericArrayConverter<float, Element, 2> convert;
         Barrier::wait(&ss.dbias_turn, (m - tiles.first) % 2);  // a turn per tile (pass_dbias_turns)
-        for_rows_of_transposed(ds_regs, cS, row0, key0, s.seqlen_q, ds_ld(), [&](int64_t index, uint32_t keys) {
-          const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(keys));
-          atomicAdd(reinterpret_cast<float2*>(plane + index), make_float2(pair[0], pair[1]));
+        for_rows_of_transposed(ds_regs, cS, [&](int row, int key, uint32_t keys) {
+          if (row0 + row < s.seqlen_q && key0 + key < ld) {
+            const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(keys));
+            atomicAdd(reinterpret_cast<float2*>(plane + row * ld + key), make_float2(pair[0], pair[1]));
+          }
         });
         Barrier::arrive(&ss.dbias_done);
       }

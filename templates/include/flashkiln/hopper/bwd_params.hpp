@@ -16,6 +16,9 @@ struct HopperBwdParams {
   // The additive bias's map (runtime/tma.py, encode_bias: boxes of a query tile's rows, or of one
   // row where the bias is broadcast over them, by 64 keys), with a bias variant.
   TmaDescriptor tma_bias;
+  // The map of ds_workspace's planes (a full bias's dBias) as the bias's, for the producer's
+  // stores of dS tiles, with ds_workspace.
+  TmaDescriptor tma_dbias;
   uint64_t lse;    // float (batch, heads_q, total_q): the forward's, natural log
   uint64_t delta;  // float, as lse: rowsum(dO * O) - dLSE, from the preprocess
   uint64_t dlse;   // float, as lse: the LSE's upstream gradient, or 0
@@ -35,7 +38,7 @@ struct HopperBwdParams {
   uint64_t cu_seqlens_q, cu_seqlens_k;  // int (batch + 1,): a packed batch's sequence bounds, or 0
   // dBias of a bias that varies along the keys (runtime/bias.py), one of these three or none:
   // dS of every tile in the portable workspace route's layout (portable/bwd_tiles.hpp), the tiles
-  // no query tile visits as zeros (a full bias: this is its dBias);
+  // no query tile visits as zeros (a full bias: this is its dBias), stored through tma_dbias;
   uint64_t ds_workspace;
   // float (batch, heads_q, seqlen_k), zeroed: dS summed over the rows, tile by tile (a bias
   // broadcast over the rows: dBias sums this over its other broadcast dims);
