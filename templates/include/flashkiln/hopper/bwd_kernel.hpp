@@ -503,19 +503,23 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     if constexpr (T::kBiasGrad) {
       if (p.ds_workspace != 0) {
         // Into the stage's bias tile, for the producer's store (store_ds_tile): a warp writes the
-        // entries it read of it (bias_transposed_into), so no other warp's reads are pending there.
+        // entries it read of it (bias_transposed_into), so no other warp's reads are pending there,
+        // but other lanes' are (ldmatrix reads for the whole warp): __syncwarp orders them first.
+        __syncwarp();
         store_rows_of_transposed<T::kBlockM>(ds_regs, cS,
                                              cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias));
       } else if (p.dbias_sum != 0) {
         const int ld = ds_ld();
         float* const plane = reinterpret_cast<float*>(p.dbias_sum) +
-                             (int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q + row0) * ld + key0;
+                             int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ld;
         cutlass::NumericArrayConverter<float, Element, 2> convert;
         Barrier::wait(&ss.dbias_turn, (m - tiles.first) % 2);  // a turn per tile (pass_dbias_turns)
         for_rows_of_transposed(ds_regs, cS, [&](int row, int key, uint32_t keys) {
-          if (row0 + row < s.seqlen_q && key0 + key < ld) {
+          row += row0;
+          key += key0;
+          if (row < s.seqlen_q && key < ld) {
             const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(keys));
-            atomicAdd(reinterpret_cast<float2*>(plane + row * ld + key), make_float2(pair[0], pair[1]));
+            atomicAdd(reinterpret_cast<float2*>(plane + int64_t(row) * ld + key), make_float2(pair[0], pair[1]));
           }
         });
         Barrier::arrive(&ss.dbias_done);
