@@ -1,6 +1,7 @@
 // The Hopper backward's postprocess: dQ = scale * dQ_accum, from the accumulator's tile order
 // (hopper/bwd_dq_tiles.hpp) to the element type by dQ's strides. A CTA per (query tile, head,
-// sequence); each thread reads pairs of columns in the accumulator's order (coalesced).
+// sequence): it reads the tile in the accumulator's order (coalesced), stages it row-major in
+// shared memory and writes dQ's rows in 16-byte pieces.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,6 +29,10 @@ template <class T>
 __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
   using Element = typename T::Element;
   using Layout = typename T::DqLayout;
+  constexpr int kCols = T::kDim;
+  constexpr int kLd = kCols + 8;  // a 16-byte pad per row: rows start in different banks
+  constexpr int kChunks = kCols / 8;  // 16-byte pieces per row
+  __shared__ alignas(16) Element staged[kDqTileRows * kLd];
   const int t = threadIdx.x;
   const int m = blockIdx.x;
   const int head = blockIdx.y;
@@ -35,21 +40,50 @@ __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
   if (m * kDqTileRows >= s.seqlen_q) {
     return;  // a packed batch's grid covers its longest sequence
   }
-  float const* tile =
-      reinterpret_cast<float const*>(p.dq_accum) + (s.dq_accum_row(p, head) + m * kDqTileRows) * T::kDim;
-  Element* dq = reinterpret_cast<Element*>(p.dq) + s.q_offset(p.dq_batch_stride, p.dq_row_stride) +
-                head * p.dq_head_stride;
+  // The tile in 16-byte pieces (coalesced), each two of a part's pairs (pair, thread tt and tt + 1),
+  // scaled and converted into a row-major tile in shared memory.
+  float4 const* tile = reinterpret_cast<float4 const*>(reinterpret_cast<float const*>(p.dq_accum) +
+                                                       (s.dq_accum_row(p, head) + m * kDqTileRows) * T::kDim);
   cutlass::NumericArrayConverter<Element, float, 2> convert;
   CUTE_UNROLL
-  for (int part = 0; part < T::kParts; ++part) {
+  for (int i = 0; i < Layout::kTileFloats / 4 / T::kThreads; ++i) {
+    const int q = i * T::kThreads + t;
+    const float4 value = tile[q];
+    const int part = 4 * q / Layout::kPartFloats;
+    const int f = 4 * q % Layout::kPartFloats;
+    const int pair = f / 256;
     CUTE_UNROLL
-    for (int pair = 0; pair < Layout::kCols / 4; ++pair) {
-      const int row = m * kDqTileRows + 16 * (t / 32) + (t % 32) / 4 + 8 * (pair % 2);
-      const int col = part * Layout::kCols + 8 * (pair / 2) + 2 * (t % 4);
-      const float2 value = reinterpret_cast<float2 const*>(tile + part * Layout::kPartFloats)[pair * 128 + t];
-      if (row < s.seqlen_q) {
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + row * p.dq_row_stride + col) =
-            convert(cutlass::Array<float, 2>{value.x * p.scale, value.y * p.scale});
+    for (int h = 0; h < 2; ++h) {
+      const int tt = f % 256 / 2 + h;
+      const int row = 16 * (tt / 32) + (tt % 32) / 4 + 8 * (pair % 2);
+      const int col = part * Layout::kCols + 8 * (pair / 2) + 2 * (tt % 4);
+      const float x = h == 0 ? value.x : value.z, y = h == 0 ? value.y : value.w;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(staged + row * kLd + col) =
+          convert(cutlass::Array<float, 2>{x * p.scale, y * p.scale});
+    }
+  }
+  __syncthreads();
+  Element* dq = reinterpret_cast<Element*>(p.dq) + s.q_offset(p.dq_batch_stride, p.dq_row_stride) +
+                head * p.dq_head_stride;
+  // 16-byte stores where dQ's rows allow them (any stride the runtime accepts allows 4-byte ones).
+  const bool wide = (reinterpret_cast<uintptr_t>(dq) | uintptr_t(p.dq_row_stride * sizeof(Element))) % 16 == 0;
+  CUTE_UNROLL
+  for (int i = 0; i < kDqTileRows * kChunks / T::kThreads; ++i) {
+    const int c = i * T::kThreads + t;
+    const int r = c / kChunks;
+    const int col = c % kChunks * 8;
+    const int row = m * kDqTileRows + r;
+    if (row < s.seqlen_q) {
+      const uint4 piece = *reinterpret_cast<uint4 const*>(staged + r * kLd + col);
+      Element* out = dq + row * p.dq_row_stride + col;
+      if (wide) {
+        *reinterpret_cast<uint4*>(out) = piece;
+      } else {
+        uint32_t const* words = reinterpret_cast<uint32_t const*>(&piece);
+        CUTE_UNROLL
+        for (int w = 0; w < 4; ++w) {
+          reinterpret_cast<uint32_t*>(out)[w] = words[w];
+        }
       }
     }
   }
