@@ -3,7 +3,7 @@
 // register order of an m64 wgmma accumulator fragment (pairs of columns, thread-major), so that a
 // warpgroup stages its fragment in shared memory with conflict-free 8-byte stores and adds the
 // whole part with one bulk reduce (cp.reduce.async.bulk). The postprocess reads it back through
-// `offset`. Query tiles lie at 64-row steps of the head's rows (dq_accum_rows, rounded to
+// `pair_position`. Query tiles lie at 64-row steps of the head's rows (dq_accum_rows, rounded to
 // kDqAccumRowAlign, is a multiple of 64).
 #pragma once
 
@@ -27,16 +27,18 @@ struct DqTileLayout {
   static constexpr int kPartFloats = kDqTileRows * kCols;
   static constexpr int kTileFloats = kDqTileRows * kDim;
 
-  // Float index within a tile of its row r and column c. In an m64nN fp32 accumulator, thread t of
-  // the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+8) and columns 8 j + 2 (t % 4) (+1) of
-  // n8 group j, as its values 4 j + 2 (row + 8) + (column + 1); pair v / 2 of thread t lies at
-  // float2 index (v / 2) * 128 + t.
-  __host__ __device__ static constexpr int offset(int r, int c) {
-    const int part = c / kCols;
-    const int col = c % kCols;
-    const int t = 32 * (r / 16) + 4 * (r % 8) + (col % 8) / 2;
-    const int pair = 2 * (col / 8) + (r % 16) / 8;
-    return part * kPartFloats + (pair * 128 + t) * 2 + col % 2;
+  // Where the pair of columns that starts at float `index` of a tile (even) belongs. In an m64nN
+  // fp32 accumulator, thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+8) and
+  // columns 8 j + 2 (t % 4) (+1) of n8 group j, as its values 4 j + 2 (row + 8) + (column + 1);
+  // pair v / 2 of thread t lies at float2 index (v / 2) * 128 + t of its part.
+  struct Position {
+    int row, col;
+  };
+  __host__ __device__ static constexpr Position pair_position(int index) {
+    const int part = index / kPartFloats;
+    const int pair = index % kPartFloats / 256;
+    const int t = index % 256 / 2;
+    return {16 * (t / 32) + (t % 32) / 4 + 8 * (pair % 2), part * kCols + 8 * (pair / 2) + 2 * (t % 4)};
   }
 };
 

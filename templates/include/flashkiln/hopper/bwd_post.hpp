@@ -40,7 +40,7 @@ __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
   if (m * kDqTileRows >= s.seqlen_q) {
     return;  // a packed batch's grid covers its longest sequence
   }
-  // The tile in 16-byte pieces (coalesced), each two of a part's pairs (pair, thread tt and tt + 1),
+  // The tile in 16-byte pieces (coalesced), each the column pairs of two neighbouring threads,
   // scaled and converted into a row-major tile in shared memory.
   float4 const* tile = reinterpret_cast<float4 const*>(reinterpret_cast<float const*>(p.dq_accum) +
                                                        (s.dq_accum_row(p, head) + m * kDqTileRows) * T::kDim);
@@ -49,14 +49,9 @@ __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
   for (int i = 0; i < Layout::kTileFloats / 4 / T::kThreads; ++i) {
     const int q = i * T::kThreads + t;
     const float4 value = tile[q];
-    const int part = 4 * q / Layout::kPartFloats;
-    const int f = 4 * q % Layout::kPartFloats;
-    const int pair = f / 256;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const int tt = f % 256 / 2 + h;
-      const int row = 16 * (tt / 32) + (tt % 32) / 4 + 8 * (pair % 2);
-      const int col = part * Layout::kCols + 8 * (pair / 2) + 2 * (tt % 4);
+      const auto [row, col] = Layout::pair_position(4 * q + 2 * h);
       const float x = h == 0 ? value.x : value.z, y = h == 0 ? value.y : value.w;
       *reinterpret_cast<cutlass::Array<Element, 2>*>(staged + row * kLd + col) =
           convert(cutlass::Array<float, 2>{x * p.scale, y * p.scale});
