@@ -60,7 +60,8 @@ __device__ __forceinline__ void bwd_postprocess(BwdParams const& p) {
   __syncthreads();
   Element* dq = reinterpret_cast<Element*>(p.dq) + s.q_offset(p.dq_batch_stride, p.dq_row_stride) +
                 head * p.dq_head_stride;
-  // 16-byte stores where dQ's rows allow them (any stride the runtime accepts allows 4-byte ones).
+  // 16-byte stores: the runtime passes dQ in a kernel layout (inputs.is_kernel_layout); 4-byte
+  // ones for a caller of the kernel that does not.
   const bool wide = (reinterpret_cast<uintptr_t>(dq) | uintptr_t(p.dq_row_stride * sizeof(Element))) % 16 == 0;
   CUTE_UNROLL
   for (int i = 0; i < kDqTileRows * kChunks / T::kThreads; ++i) {
