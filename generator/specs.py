@@ -253,13 +253,14 @@ def _descriptor(fields: dict[str, Any], row: LocatedDict, context: str, group_wh
 
 def _check_shared_tiles(tuning: LocatedDict, fields: dict[str, Any], row: LocatedDict, context: str,
                         out: _Collector) -> None:
-    """A kernel that follows another's tiles (family.shared_tiles) must repeat its tile_m, tile_n."""
-    leader = FAMILIES[fields["family"]].shared_tiles.get(fields["kernel"])
-    if leader is None:
+    """A kernel that follows another's tiles (family.shared_tiles) must repeat the fields it shares."""
+    shared = FAMILIES[fields["family"]].shared_tiles.get(fields["kernel"])
+    if shared is None:
         return
+    leader, keys = shared
     dims = (fields["d_qk"], fields["d_v"])
     leader_row = tuning_row(tuning, leader, fields["arch"], dims) or {}
-    for key in ("tile_m", "tile_n"):
+    for key in keys:
         if key in row and row[key] != leader_row.get(key):
             out.add(row.where, f"{context}{key}",
                     f"{row[key]} must equal {leader}.{fields['arch']}.{head_dims_key(*dims)}.{key} = "

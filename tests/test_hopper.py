@@ -85,6 +85,30 @@ def test_tuning_errors(overrides, message):
     assert any(message in e for e in errors), errors
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"d_qk": 128, "d_v": 128, "tile_m": 128}, "one 64-column dQ part"),
+    ({"d_qk": 64, "d_v": 64, "tile_m": 192, "warps": 12}, "one or two 64-row"),
+    ({"d_qk": 64, "d_v": 64, "tile_m": 64, "tile_n": 64}, "128 keys per CTA"),
+    ({"d_qk": 64, "d_v": 64, "tile_m": 128, "bias": "additive"}, "bytes of shared memory"),
+    ({"kernel": "bwd_post", "d_qk": 64, "d_v": 64, "tile_m": 128, "warps": 4, "stages": 1}, "64-row dQ tiles"),
+])
+def test_backward_tuning_errors(overrides, message):
+    errors = HOPPER.tuning_errors(hopper(**{"kernel": "bwd", **overrides}))
+    assert any(message in e for e in errors), errors
+
+
+def test_backward_query_tiles_per_head_dim():
+    """128-row query tiles where a head dim is one dQ part (d 64, no bias); 64 rows elsewhere."""
+    tiles = {(d.d_qk, d.bias): d.tile_m for d in (v.descriptor for v in load_variants(REPO / "specs"))
+             if d.family == "hopper" and d.kernel == "bwd"}
+    assert tiles == {(64, "none"): 128, (64, "additive"): 64, (128, "none"): 64, (128, "additive"): 64}
+    d64 = hopper(kernel="bwd", d_qk=64, d_v=64)
+    assert not HOPPER.tuning_errors(d64)
+    # K, V; two stages of Q and dO; two dS buffers; each warpgroup's 64-row dQ staging; stats and
+    # barriers rounded to 1024 bytes; the alignment slack.
+    assert HOPPER.smem_bytes(d64) == 2 * (2 * 128 * 64 + 4 * 128 * 64 + 2 * 128 * 128) + 4 * 2 * 64 * 64 + 4096 + 1008
+
+
 def test_smem_formula():
     d = hopper()  # 128 x 128: O gets its own buffer beside Q and the K/V ring
     assert HOPPER.own_o_buffer(d)

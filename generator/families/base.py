@@ -29,9 +29,9 @@ class Family(ABC):
     arch_needs: ClassVar[str]
     # The kernels it has (functional_errors rejects the others), each with its template.
     kernels: ClassVar[dict[str, str]]
-    # Kernels whose tile_m and tile_n must equal another kernel's for the same arch and head
-    # dims (the tuning table is checked against this): kernel -> the kernel it follows.
-    shared_tiles: ClassVar[dict[str, str]]
+    # Kernels whose tile fields must equal another kernel's for the same arch and head dims (the
+    # tuning table is checked against this): kernel -> (the kernel it follows, the fields).
+    shared_tiles: ClassVar[dict[str, tuple[str, tuple[str, ...]]]]
 
     def template_name(self, d: VariantDescriptor) -> str:
         return self.kernels[d.kernel]  # KeyError for a kernel the family lacks

@@ -4,7 +4,8 @@ Forward (hopper/fwd_*.hpp): one producer warpgroup and one consumer warpgroup pe
 K/V (and bias tiles, with a bias) stream through a ring of `stages` shared-memory buffers.
 Backward (hopper/bwd_*.hpp): a CTA per key tile of tile_n keys (one consumer warpgroup per 64),
 Q and dO of tile_m rows streaming through `stages` buffers; its postprocess (bwd_post) reads the
-main kernel's dQ accumulator, so it shares the main kernel's tiles. The preprocess is the portable
+main kernel's dQ accumulator in 64-row tiles whose column parts follow the main kernel's tile_n
+(its consumer warpgroups), so it shares tile_n with the main kernel. The preprocess is the portable
 family's (bwd_pre). The formulas here are static_asserted by the C++ side (threads, shared-memory
 bytes), like the portable family's.
 """
@@ -22,8 +23,9 @@ _BARRIER_BLOCK = 1024
 _ALIGN_SLACK = 1024 - 16
 
 
-# The backward's query tiles: the rows of its dQ accumulator tiles (hopper/bwd_dq_tiles.hpp).
-_BWD_TILE_M = 64
+# The rows of the backward's dQ accumulator tiles (hopper/bwd_dq_tiles.hpp): bwd_post's tile_m,
+# and what the main kernel's query tiles are made of.
+_DQ_TILE_ROWS = 64
 _BWD_TILE_N = 128  # two consumer warpgroups of 64 keys (hopper/bwd_traits.hpp)
 
 
@@ -34,7 +36,7 @@ class HopperFamily(Family):
     archs = ("sm_90a",)
     arch_needs = "wgmma and setmaxnreg"
     kernels = {"fwd": "hopper_fwd.cu.j2", "bwd": "hopper_bwd.cu.j2", "bwd_post": "hopper_bwd_post.cu.j2"}
-    shared_tiles = {"bwd_post": "bwd"}
+    shared_tiles = {"bwd_post": ("bwd", ("tile_n",))}
 
     def consumer_warpgroups(self, d: VariantDescriptor) -> int:
         return d.tile_m // 64 if d.kernel == "fwd" else d.tile_n // 64
@@ -59,7 +61,7 @@ class HopperFamily(Family):
         elem = ELEMENT_BYTES[d.dtype]
         bias = d.bias != "none"
         tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + 2 * d.tile_m * d.tile_n)
-        dq_staging = 4 * self.consumer_warpgroups(d) * d.tile_m * (d.d_qk // self.dq_parts(d))
+        dq_staging = 4 * self.consumer_warpgroups(d) * _DQ_TILE_ROWS * (d.d_qk // self.dq_parts(d))
         # K/V, Q/dO ring, dQ staging, dBias turns
         barriers = 8 * (1 + 2 * d.stages + 2 * self.consumer_warpgroups(d) + 2)
         stats_and_barriers = 2 * 3 * d.tile_m * 4 + barriers + 4 * 8 + (not bias)  # + dSink's per-warp sums
@@ -141,9 +143,18 @@ class HopperFamily(Family):
 
     def _bwd_tuning_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
-        if (d.tile_m, d.tile_n) != (_BWD_TILE_M, _BWD_TILE_N):
-            errors.append(f"tile {d.tile_m}x{d.tile_n}: the hopper backward runs {_BWD_TILE_M} query rows by "
-                          f"{_BWD_TILE_N} keys (two consumer warpgroups of 64 keys; 64-row dQ tiles)")
+        if d.tile_n != _BWD_TILE_N:
+            errors.append(f"tile_n={d.tile_n}: the hopper backward runs {_BWD_TILE_N} keys per CTA (two consumer "
+                          "warpgroups of 64 keys)")
+        if d.kernel == "bwd" and d.tile_m not in (_DQ_TILE_ROWS, 2 * _DQ_TILE_ROWS):
+            errors.append(f"tile_m={d.tile_m}: the hopper backward's query tiles are one or two {_DQ_TILE_ROWS}-row "
+                          "dQ tiles")
+        elif d.kernel == "bwd" and d.tile_m > _DQ_TILE_ROWS and self.dq_parts(d) != 1:
+            errors.append(f"tile_m={d.tile_m} with d_qk={d.d_qk}: 128-row query tiles need a head dim of one "
+                          "64-column dQ part (each consumer warpgroup adds one 64-row half; dK, dV, S and dP "
+                          "of 128 rows at larger head dims exceed a consumer's registers)")
+        if d.kernel == "bwd_post" and d.tile_m != _DQ_TILE_ROWS:
+            errors.append(f"tile_m={d.tile_m}: bwd_post works on the accumulator's {_DQ_TILE_ROWS}-row dQ tiles")
         if d.kernel == "bwd":
             warps = 4 * (1 + _BWD_TILE_N // 64)
             if d.warps != warps:

@@ -31,7 +31,7 @@ class PortableFamily(Family):
                "bwd_post": "portable_bwd_rows.cu.j2", "bwd_dq": "portable_bwd_dq.cu.j2"}
     ROW_KERNELS = ("bwd_pre", "bwd_post")
     # bwd_dq reads the dS tiles that bwd writes, tile by tile.
-    shared_tiles = {"bwd_dq": "bwd"}
+    shared_tiles = {"bwd_dq": ("bwd", ("tile_m", "tile_n"))}
 
     def smem_bytes(self, d: VariantDescriptor) -> int:
         elem = ELEMENT_BYTES[d.dtype]

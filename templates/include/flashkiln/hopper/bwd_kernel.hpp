@@ -157,9 +157,9 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
   }
 }
 
-// The dQ writer of consumer warpgroup `warpgroup`, one thread: adds each part of a query tile's
-// dQ that the warpgroup stages (every query tile's, or taking turns every other one's) to the
-// accumulator, then frees the staging buffer. With semaphores the key tiles of a query tile add
+// The dQ writer of consumer warpgroup `warpgroup`, one thread: adds the piece of a query tile's
+// dQ that the warpgroup stages (its part or row tile of every query tile, or taking turns every
+// other tile's whole dQ) to the accumulator, then frees the staging buffer. With semaphores the key tiles of a query tile add
 // in a fixed order, from the last one that sees it down to the first (the key tiles that see a
 // query tile are visible_key_tiles of its rows, one unbroken range, the dual of
 // visiting_query_tiles): the CTAs run
@@ -169,13 +169,14 @@ template <class T>
 __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
                                          int warpgroup, int n_block, int head) {
   const TileRange tiles = query_tiles<T>(p, s, n_block);
-  const int part = T::kDqAlternate ? 0 : warpgroup;
+  const int piece = T::kDqAlternate ? 0 : warpgroup;  // (row tile, part) of a query tile's dQ
+  const int part = piece % T::kDqParts, row_tile = piece / T::kDqParts;
   float* const accum = reinterpret_cast<float*>(p.dq_accum) + s.dq_accum_row(p, head) * T::kDim +
-                       part * T::DqLayout::kPartFloats;
+                       row_tile * T::DqLayout::kTileFloats + part * T::DqLayout::kPartFloats;
   const int64_t semaphore_tiles = (int64_t(s.batch) * p.heads_q + head) * ceil_div(p.seqlen_q, T::kBlockM);
   int* const semaphores = p.dq_semaphore == 0 ? nullptr
                                               : reinterpret_cast<int*>(p.dq_semaphore) +
-                                                    semaphore_tiles * T::kConsumerWarpgroups + part;
+                                                    semaphore_tiles * T::kConsumerWarpgroups + piece;
   const auto vis = visibility_of<T>(p, s);
   const int n_tiles = ceil_div(s.seqlen_k, T::kBlockN);
   const uint32_t staged = cute::cast_smem_ptr_to_uint(ss.dq + warpgroup * T::DqLayout::kPartFloats);
@@ -189,7 +190,7 @@ __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::S
       const int n_last = visible_key_tiles<T::kBlockN>(vis, row0, row0 + T::kBlockM, n_tiles).end - 1;
       wait_for_turn(semaphore, n_last - n_block);
     }
-    bulk_reduce_add(accum + int64_t(m) * T::DqLayout::kTileFloats, staged, T::kBytesDqPart);
+    bulk_reduce_add(accum + int64_t(m) * T::kDqRowTiles * T::DqLayout::kTileFloats, staged, T::kBytesDqPart);
     cute::tma_store_arrive();
     cute::tma_store_wait<0>();
     Barrier::arrive(&ss.dq_empty[warpgroup]);
@@ -236,13 +237,13 @@ __device__ __forceinline__ void pass_dbias_turns(HopperBwdParams const& p, typen
   }
 }
 
-// What consumer thread `thread` loads of query tile m's RowStats: threads [0, kBlockM) the LSE
-// (base 2) of one row each, the next kBlockM threads its delta, the next its sink weight (with
-// kSinkGrad), the others nothing.
+// Entry `entry` of query tile m's RowStats: [0, kBlockM) the LSE (base 2) of one row each, the
+// next kBlockM its delta, the next its sink weight (with kSinkGrad), beyond them nothing. Consumer
+// thread t loads entries t + j kConsumerThreads, j < kStatSlots.
 template <class T, bool kSinkGrad>
-__device__ __forceinline__ float row_stat(HopperBwdParams const& p, Sequence const& s, int thread, int m, int head) {
-  const int row = m * T::kBlockM + thread % T::kBlockM;
-  const int kind = thread / T::kBlockM;  // 0: LSE, 1: delta, 2: sink weight
+__device__ __forceinline__ float row_stat(HopperBwdParams const& p, Sequence const& s, int entry, int m, int head) {
+  const int row = m * T::kBlockM + entry % T::kBlockM;
+  const int kind = entry / T::kBlockM;  // 0: LSE, 1: delta, 2: sink weight
   if (kind > (kSinkGrad ? 2 : 1)) {
     return 0.f;
   }
@@ -263,9 +264,9 @@ __device__ __forceinline__ float row_stat(HopperBwdParams const& p, Sequence con
 }
 
 template <class T>
-__device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int thread, float value) {
-  const int row = thread % T::kBlockM;
-  switch (thread / T::kBlockM) {
+__device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int entry, float value) {
+  const int row = entry % T::kBlockM;
+  switch (entry / T::kBlockM) {
     case 0: stats.lse_log2[row] = value; break;
     case 1: stats.delta[row] = value; break;
     case 2: stats.sink_weight[row] = value; break;
@@ -301,7 +302,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<T::kBlockN>, Int<T::kDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<T::kBlockN>, Int<T::kDim>>{});
-  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<T::kBlockM>, Int<T::kDqCols * T::kDqParts>>{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<T::kBlockM>, Int<T::kDim>>{});
   // P^T and dS^T in the element type, as the A operands of dV and dK.
   Tensor p_regs = make_fragment_like<Element>(acc_s);
   Tensor ds_regs = make_fragment_like<Element>(acc_dp);
@@ -327,11 +328,27 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   };
   float* const dq_stage = ss.dq + warpgroup * T::DqLayout::kPartFloats;
 
+  constexpr int kStatSlots = T::template kStatSlots<kSinkGrad>;
+  auto load_stats = [&](float (&values)[kStatSlots], int m) {
+    CUTE_UNROLL
+    for (int j = 0; j < kStatSlots; ++j) {
+      values[j] = row_stat<T, kSinkGrad>(p, s, thread + j * T::kConsumerThreads, m, head);
+    }
+  };
+  auto store_stats = [&](typename T::RowStats& stats, float const (&values)[kStatSlots]) {
+    CUTE_UNROLL
+    for (int j = 0; j < kStatSlots; ++j) {
+      store_row_stat<T>(stats, thread + j * T::kConsumerThreads, values[j]);
+    }
+  };
+
   clear(acc_dk);
   clear(acc_dv);
   float sink_share = 0.f;  // dSink: this thread's share of the CTA's sum of p_sink * P * dP
   if (tiles.first < tiles.end) {
-    store_row_stat<T>(ss.stats[0], thread, row_stat<T, kSinkGrad>(p, s, thread, tiles.first, head));
+    float first_stats[kStatSlots];
+    load_stats(first_stats, tiles.first);
+    store_stats(ss.stats[0], first_stats);
   }
   named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   Barrier::wait(&ss.kv_full, 0);
@@ -362,27 +379,25 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   // delta, which dBias's closed form reads.
   const bool whole_rows = ceil_div(s.seqlen_k, T::kBlockN) == 1 && p.keys_complete;
   auto exact_deltas = [&](int row0, int buffer) {
-    constexpr int kRows = T::kBlockM / 4;  // per thread in an m64 accumulator: r0 + 8 j + e at 2 j + e
+    // A thread's rows in an m64 accumulator: r0 + dr, dr = 8 j + e; a row at a time, so that one
+    // partial sum is live beside the accumulators.
     const int r0 = get<1>(cS(0));
-    float part[kRows];
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      part[r] = 0.f;
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) {
-      const int dr = get<1>(cS(i)) - r0;  // compile-time once unrolled
-      part[dr / 8 * 2 + dr % 2] = fmaf(acc_s(i), acc_dp(i), part[dr / 8 * 2 + dr % 2]);
-    }
     float* const sums = reinterpret_cast<float*>(ss.ds + buffer * T::kElemsdS);  // (warp, row)
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
+    for (int dr = 0; dr < T::kBlockM; dr += dr % 2 == 0 ? 1 : 7) {
+      float part = 0.f;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        if (get<1>(cS(i)) - r0 == dr) {  // compile-time once unrolled
+          part = fmaf(acc_s(i), acc_dp(i), part);
+        }
+      }
       CUTE_UNROLL
       for (int lanes = 4; lanes < 32; lanes *= 2) {  // the lanes of a row's keys
-        part[r] += __shfl_xor_sync(0xffffffff, part[r], lanes);
+        part += __shfl_xor_sync(0xffffffff, part, lanes);
       }
       if (thread % 32 < 4) {
-        sums[thread / 32 * T::kBlockM + r0 + r / 2 * 8 + r % 2] = part[r];
+        sums[thread / 32 * T::kBlockM + r0 + dr] = part;
       }
     }
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
@@ -413,7 +428,10 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
     const bool has_next = m + 1 < tiles.end;
     // This thread's share of the next tile's stats, stored once this tile's are read (before the barrier).
-    const float next_stat = has_next ? row_stat<T, kSinkGrad>(p, s, thread, m + 1, head) : 0.f;
+    float next_stats[kStatSlots];
+    if (has_next) {
+      load_stats(next_stats, m + 1);
+    }
     typename T::RowStats const& stats = ss.stats[buffer];
     const int row0 = m * T::kBlockM;
 
@@ -528,7 +546,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     Element* const ds = ss.ds + buffer * T::kElemsdS;
     store_fragment<T::kBlockN>(ds_regs, cS, cute::cast_smem_ptr_to_uint(ds));
     if (has_next) {
-      store_row_stat<T>(ss.stats[buffer ^ 1], thread, next_stat);
+      store_stats(ss.stats[buffer ^ 1], next_stats);
     }
     cutlass::arch::fence_view_async_shared();  // dS, written by threads, is read by wgmma next
     // Both warpgroups' dS are in (dQ reads both), and every read of this tile's stats is done.

@@ -6,8 +6,9 @@
 //   S^T  = K Q^T     and   dP^T = V dO^T      shared-memory operands;
 //   dV  += P^T dO    and   dK  += dS^T Q      P^T and dS^T from registers (accumulator layout);
 //   dQ   = dS K      dS through shared memory (both warpgroups' keys), split between the
-//                    warpgroups by dQ's columns (each a whole 64-column box) or, where the head
-//                    dim is one box, by query tiles (each warpgroup every other tile's).
+//                    warpgroups by dQ's columns (each a whole 64-column box), by its 64-row
+//                    halves (tiles of 128 rows), or else by query tiles (each warpgroup every
+//                    other tile's).
 // With kBias, a (kBlockM, kBlockN) tile of the additive bias rides in every Q/dO stage.
 #pragma once
 
@@ -47,15 +48,21 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
                 "setmaxnreg budgets exceed the CTA's registers");
   static constexpr int kBoxCols = 64;  // TMA boxes: one 128-byte swizzle atom wide
 
-  static_assert(kBlockM == kDqTileRows, "query tiles are the dQ accumulator's 64-row tiles");
   static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups of 64 keys each");
   static_assert(kDim % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
   static_assert(kStages >= 2, "at least a double-buffered Q/dO pipeline");
+  static_assert(kBlockM <= kConsumerThreads, "a consumer thread per row of a tile's row stats");
 
+  // A query tile's dQ in the accumulator's 64-row tiles, of kDqParts column parts each: a
+  // warpgroup computes and adds one (row tile, part) piece, or where a query tile has one piece
+  // the warpgroups take turns, a whole tile's dQ each. (Splitting its keys instead, each warpgroup
+  // adding its 64 keys' share to every column, doubled the bulk adds' L2 traffic.)
   static constexpr int kDqParts = dq_tile_parts(kDim, kConsumerWarpgroups);
-  // One part: the warpgroups take turns, a whole tile's dQ each. Splitting its keys instead (each
-  // warpgroup adding its 64 keys' share to every column) doubled the bulk adds' L2 traffic.
-  static constexpr bool kDqAlternate = kDqParts == 1;
+  static constexpr int kDqRowTiles = kBlockM / kDqTileRows;
+  static_assert(kBlockM % kDqTileRows == 0, "query tiles of whole 64-row dQ tiles");
+  static constexpr bool kDqAlternate = kDqParts * kDqRowTiles == 1;
+  static_assert(kDqAlternate || kDqParts * kDqRowTiles == kConsumerWarpgroups,
+                "a dQ piece per consumer warpgroup (128-row tiles need head dims of one 64-column part)");
   static constexpr int kDqCols = kDim / kDqParts;  // per warpgroup
   using DqLayout = DqTileLayout<kDim, kDqParts>;
 
@@ -69,11 +76,12 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   // K as dQ's B operand: (d, keys).
   using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<Int<kDim>, Int<kBlockN>>{},
                                                                                Step<_2, _1>{})));
-  // dS as dQ's A operand: (query rows, keys), rows contiguous (MN-major); byte (key k, row r) at
-  // k * 128 + ((r / 8) ^ (k % 8)) * 16 + (r % 8) * 2, which is how a warpgroup stores its dS^T
-  // fragment (swizzled_tile.hpp, store_fragment, as a (keys, rows) tile).
+  // dS as dQ's A operand: (query rows, keys), rows contiguous (MN-major), in boxes of 64 rows;
+  // byte (key k, row r) at (r / 64) * kBlockN * 128 + k * 128 + ((r % 64 / 8) ^ (k % 8)) * 16 +
+  // (r % 8) * 2, which is how a warpgroup stores its dS^T fragment (swizzled_tile.hpp,
+  // store_fragment, as a (keys, rows) tile).
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>>{}));
+                                              Shape<Int<kBlockM>, Int<kBlockN>>{}, Step<_2, _1>{}));
 
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kDim>>>(),
@@ -83,9 +91,9 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
   using TiledMmaDq = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDqCols>, Int<kBlockN>>,
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kDqTileRows>, Int<kDqCols>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, Int<kDqParts>, _1>>{}));
+      Layout<Shape<Int<kDqRowTiles>, Int<kDqParts>, _1>>{}));
 
   static constexpr int kElemsQ = kBlockM * kDim;  // per stage, also dO
   static constexpr int kElemsK = kBlockN * kDim;  // also V
@@ -98,7 +106,10 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static constexpr uint32_t kBytesBiasRow = kBlockN * sizeof(Element);  // one row for every query
 
   // Per query tile: LSE (in base 2; +inf for rows past the sequence, whose P is then 0), delta, and
-  // with a sink its weight in the row's softmax, exp(sink - LSE) (dSink's factor; 0 past the end).
+  // with a sink its weight in the row's softmax, exp(sink - LSE) (dSink's factor; 0 past the end);
+  // each consumer thread loads kStatSlots of them (bwd_kernel.hpp, row_stat).
+  template <bool kSinkGrad>
+  static constexpr int kStatSlots = ((kSinkGrad ? 3 : 2) * kBlockM + kConsumerThreads - 1) / kConsumerThreads;
   struct RowStats {
     float lse_log2[kBlockM];
     float delta[kBlockM];
