@@ -98,10 +98,11 @@ def test_backward_tuning_errors(overrides, message):
 
 
 def test_backward_query_tiles_per_head_dim():
-    """128-row query tiles where a head dim is one dQ part (d 64, no bias); 64 rows elsewhere."""
-    tiles = {(d.d_qk, d.bias): d.tile_m for d in (v.descriptor for v in load_variants(REPO / "specs"))
+    """128-row query tiles where a head dim is one dQ part (d 64, without a bias or a cap); 64 rows elsewhere."""
+    tiles = {(d.d_qk, d.bias, d.softcap): d.tile_m for d in (v.descriptor for v in load_variants(REPO / "specs"))
              if d.family == "hopper" and d.kernel == "bwd"}
-    assert tiles == {(64, "none"): 128, (64, "additive"): 64, (128, "none"): 64, (128, "additive"): 64}
+    assert tiles == {(64, "none", False): 128, (64, "additive", False): 64, (64, "none", True): 64,
+                     (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64}
     d64 = hopper(kernel="bwd", d_qk=64, d_v=64)
     assert not HOPPER.tuning_errors(d64)
     # K, V; two stages of Q and dO; two dS buffers; each warpgroup's 64-row dQ staging; stats and
