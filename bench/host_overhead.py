@@ -68,6 +68,15 @@ def training_step(attend: Callable[..., torch.Tensor], leaves: list[torch.Tensor
     return step
 
 
+def _torch_flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          dout: torch.Tensor) -> Callable[[], object]:
+    """torch's flash backward op called directly: the counterpart of flashkiln.attention_backward."""
+    aten = torch.ops.aten
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v)
+    return lambda: aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q,
+                                                                     max_k, 0.0, False, seed, offset)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("build/bench-host"))
@@ -95,6 +104,8 @@ def main() -> None:
                          per_call_us(train(flashkiln.scaled_dot_product_attention))))
         forward.PLANS.clear()
         backward.PLANS.clear()
+    rows.append(("flashkiln.scaled_dot_product_attention, forward",
+                 per_call_us(lambda: flashkiln.scaled_dot_product_attention(q, k, v))))
     for family in args.families:
         rows.append((f"flashkiln.attention_backward (backend={family})",
                      per_call_us(lambda: flashkiln.attention_backward(dout, q, k, v, out, lse, backend=family))))
@@ -105,6 +116,7 @@ def main() -> None:
         with sdpa_kernel(backend):
             rows.append((f"torch SDPA {name}, forward", per_call_us(lambda: F.scaled_dot_product_attention(q, k, v))))
             rows.append((f"torch SDPA {name}, fwd + bwd", per_call_us(train(F.scaled_dot_product_attention))))
+    rows.append(("torch's flash backward op, no autograd (aten)", per_call_us(_torch_flash_backward(q, k, v, dout))))
     table = "\n".join(["| call | host µs per call |", "|---|---|"] + [f"| {n} | {us:.0f} |" for n, us in rows])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host.md").write_text(table + "\n")

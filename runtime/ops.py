@@ -188,7 +188,15 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional
     apart from the tensors, so that autograd's apply looks at 8 arguments, not 15."""
     if torch.compiler.is_compiling():
         return attention_forward_op(*_op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings))
+    if not (torch.is_grad_enabled() and _any_requires_grad(q, k, v, bias, sink)):
+        # Nothing to differentiate (inference, evaluation): the forward alone, without autograd's
+        # Function machinery, which costs about as much host time as the forward itself.
+        return _forward(*_op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings))
     return _EagerAttention.apply(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings)
+
+
+def _any_requires_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -3,6 +3,7 @@ launch loop, the plans' straight paths against their full ones (a fake driver), 
 autograd.Function's arguments (fake forward and backward)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import enum
@@ -347,6 +348,24 @@ def test_the_eager_sdpa_passes_the_call_through_and_routes_each_gradient(monkeyp
     assert (seen["backward"]["bias_grad"], seen["backward"]["sink_grad"]) == (bias_grad, True)
     assert [t.grad.unique().tolist() for t in (q, k, v, sink)] == [[1.0], [2.0], [3.0], [5.0]]
     assert (bias.grad is not None and bias.grad.unique().tolist() == [4.0]) if bias_grad else bias.grad is None
+
+
+@pytest.mark.parametrize("case", ["no input requires grad", "no_grad", "inference_mode", "only the sink", "only v"])
+def test_the_eager_sdpa_skips_autograd_only_when_nothing_can_be_differentiated(monkeypatch, case):
+    applied = []
+    monkeypatch.setattr(ops, "attention_forward", lambda q, k, v, **kw: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    monkeypatch.setattr(ops._EagerAttention, "apply",
+                        lambda *args: applied.append(args) or ops._EagerAttention.forward(types.SimpleNamespace(
+                            set_materialize_grads=lambda _: None, save_for_backward=lambda *_: None), *args))
+    q, k, v = qkv(s=8)
+    sink = torch.zeros(2, requires_grad=case == "only the sink")
+    v.requires_grad_(case == "only v")
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(case)
+    with context() if context else contextlib.nullcontext():
+        q.requires_grad_(case in ("no_grad", "inference_mode"))
+        out = ops.scaled_dot_product_attention(q, k, v, sink=sink)
+    differentiable = case in ("only the sink", "only v")
+    assert len(applied) == differentiable and out.shape == q.shape
 
 
 def test_the_eager_varlen_attention_passes_the_packed_batch(monkeypatch):
