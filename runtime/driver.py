@@ -1,11 +1,8 @@
 """The CUDA driver calls the runtime makes, each result checked (cuda-bindings).
 
 Cubins are loaded with cuLibraryLoadData / cuLibraryGetKernel: a library is independent of
-contexts and devices, and loads into whichever context is current at launch. The two calls made per
-launch (cuLaunchKernel, cuTensorMapReplaceAddress) go through the driver's own entry points, looked
-up once with cuGetProcAddress and called through ctypes with plain integers: cuda-bindings' wrappers
-build and check Python objects per argument, which cost several times the driver's own work
-(docs/perf.md, v29). Tests replace this class with a fake that records the calls.
+contexts and devices, and loads into whichever context is current at launch. Tests replace this
+class with a fake that records the calls.
 """
 from __future__ import annotations
 
@@ -51,25 +48,8 @@ def _fail(cu: Any, err: Any, what: str) -> NoReturn:
 
 # A launch's kernelParams: an array of one pointer, to the bytes of its one by-value struct argument.
 _KERNEL_PARAMS = struct.Struct("P")
-# The driver's prototypes (cuda.h): CUresult cuLaunchKernel(CUfunction, gridDim x y z, blockDim x y
-# z, sharedMemBytes, CUstream, void** kernelParams, void** extra) and CUresult
-# cuTensorMapReplaceAddress(CUtensorMap*, void* globalAddress).
-_LAUNCH_KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
-                                  ctypes.c_void_p, ctypes.c_void_p)
-_REPLACE_ADDRESS = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-# The ABI the entry points are asked for: CUDA 12.0's, the oldest driver the cubins run on.
-_ENTRY_POINT_VERSION = 12000
-
-
-def _entry_point(cu: Any, symbol: str, prototype: Any) -> Any:
-    """The driver's `symbol` as a ctypes function of `prototype`; stream 0 is the legacy default
-    stream, as in torch."""
-    flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
-    address, status = _check(cu.cuGetProcAddress(symbol.encode(), _ENTRY_POINT_VERSION, flags),
-                             f"cuGetProcAddress({symbol})")
-    if not int(address) or status != cu.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS:
-        raise CudaError(f"cuGetProcAddress({symbol}) found no entry point for CUDA {_ENTRY_POINT_VERSION}: {status}")
-    return prototype(int(address))
+# CUstream objects kept per raw handle; past this many distinct handles the cache starts over.
+_STREAMS_KEPT = 64
 
 
 class CudaDriver:
@@ -79,10 +59,13 @@ class CudaDriver:
         from cuda.bindings import driver as cu
 
         self._cu = cu
+        # Bound once for the per-call paths (launch, replace_tensor_map_address): no lookups there.
+        self._success = cu.CUresult.CUDA_SUCCESS
+        self._launch_kernel = cu.cuLaunchKernel
         self._threads = threading.local()
+        self._functions: dict[int, Any] = {}  # CUkernel address -> the CUfunction cuLaunchKernel takes
+        self._streams: dict[int, Any] = {}  # raw handle -> CUstream: a lookup is cheaper than building one
         _check(cu.cuInit(0), "cuInit")
-        self._launch_kernel = _entry_point(cu, "cuLaunchKernel", _LAUNCH_KERNEL)
-        self._replace_address = _entry_point(cu, "cuTensorMapReplaceAddress", _REPLACE_ADDRESS)
 
     def version(self) -> int:
         """The CUDA version the driver supports, as 1000 * major + 10 * minor."""
@@ -117,14 +100,26 @@ class CudaDriver:
     def replace_tensor_map_address(self, tensor_map: int, address: int) -> None:
         """Point the 128-byte CUtensorMap at host address `tensor_map` (inside a parameter block) at
         `address`, keeping its shape, strides and box: cheaper than encoding it anew."""
-        err = self._replace_address(tensor_map, address)
-        if err:
-            _fail(self._cu, self._cu.CUresult(err), "cuTensorMapReplaceAddress")
+        err = self._cu.cuTensorMapReplaceAddress(self._cu.CUtensorMap(_ptr=tensor_map), address)[0]
+        if err != self._success:
+            _fail(self._cu, err, "cuTensorMapReplaceAddress")
 
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None:
-        """`kernel`: a CUkernel (or CUfunction) handle or its address; `stream`: a raw CUstream handle."""
-        err = self._launch_kernel(int(kernel), *grid, *block, smem_bytes, stream,
-                                  _KERNEL_PARAMS.pack(ctypes.addressof(params)), None)
-        if err:
-            _fail(self._cu, self._cu.CUresult(err), "cuLaunchKernel")
+        address = int(kernel)
+        function = self._functions.get(address)
+        if function is None:
+            function = self._functions[address] = self._cu.CUfunction(address)
+        handle = self._streams.get(stream)
+        if handle is None:
+            handle = self._stream(stream)
+        err = self._launch_kernel(function, *grid, *block, smem_bytes, handle,
+                                  _KERNEL_PARAMS.pack(ctypes.addressof(params)), 0)[0]
+        if err != self._success:
+            _fail(self._cu, err, "cuLaunchKernel")
+
+    def _stream(self, stream: int) -> Any:
+        if len(self._streams) >= _STREAMS_KEPT:
+            self._streams.clear()
+        handle = self._streams[stream] = self._cu.CUstream(stream)
+        return handle

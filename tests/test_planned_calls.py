@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import dataclasses
 import enum
+import struct
 import types
 
 import pytest
@@ -32,47 +33,32 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_LAUNCH_FAILED = 719
 
 
-class CUdriverProcAddress_flags(enum.IntEnum):  # noqa: N801 (cuda.bindings' name)
-    CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1
-
-
-class CUdriverProcAddressQueryResult(enum.IntEnum):  # noqa: N801
-    CU_GET_PROC_ADDRESS_SUCCESS = 0
-    CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1
-
-
 class FakeCu(types.SimpleNamespace):
-    """What CudaDriver calls of cuda.bindings.driver: the per-call entry points it looks up are C
-    callbacks (ctypes) that record their arguments and fail on demand."""
+    """What CudaDriver calls of cuda.bindings.driver, recording launches and failing on demand."""
 
     def __init__(self):
-        super().__init__(CUresult=CUresult, CUdriverProcAddress_flags=CUdriverProcAddress_flags,
-                         CUdriverProcAddressQueryResult=CUdriverProcAddressQueryResult,
-                         launches=[], replaced=[], lookups=[], error=CUresult.CUDA_SUCCESS, missing=())
-        from flashkiln import driver
-
-        def launch(*args):
-            self.launches.append(args)
-            return int(self.error)
-
-        def replace(tensor_map, address):
-            self.replaced.append((tensor_map, address))
-            return int(self.error)
-
-        # Kept alive here: the driver holds only their addresses' functions.
-        self.entry_points = {"cuLaunchKernel": driver._LAUNCH_KERNEL(launch),
-                             "cuTensorMapReplaceAddress": driver._REPLACE_ADDRESS(replace)}
+        super().__init__(CUresult=CUresult, launches=[], built=[], error=CUresult.CUDA_SUCCESS)
 
     def cuInit(self, flags):
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuGetProcAddress(self, symbol, version, flags):
-        self.lookups.append((symbol, version, flags))
-        name = symbol.decode()
-        if name in self.missing:
-            return CUresult.CUDA_SUCCESS, 0, CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND
-        return (CUresult.CUDA_SUCCESS, ctypes.cast(self.entry_points[name], ctypes.c_void_p).value,
-                CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS)
+    def CUfunction(self, address):
+        self.built.append(("function", address))
+        return ("function", address)
+
+    def CUstream(self, handle):
+        self.built.append(("stream", handle))
+        return ("stream", handle)
+
+    def CUtensorMap(self, _ptr):
+        return ("tensor map", _ptr)
+
+    def cuLaunchKernel(self, *args):
+        self.launches.append(args)
+        return (self.error,)
+
+    def cuTensorMapReplaceAddress(self, tensor_map, address):
+        return (self.error,)
 
     def cuGetErrorName(self, err):
         return CUresult.CUDA_SUCCESS, err.name.encode()
@@ -90,29 +76,16 @@ def fake_cu(monkeypatch):
     return cu
 
 
-def test_a_launch_hands_the_drivers_cuLaunchKernel_its_arguments_as_integers(fake_cu):
+def test_a_launch_hands_cuLaunchKernel_its_arguments_and_builds_each_handle_once(fake_cu):
     driver = CudaDriver()
-    assert fake_cu.lookups == [(b"cuLaunchKernel", 12000, 1), (b"cuTensorMapReplaceAddress", 12000, 1)]
     params = HopperFwdParams(batch=3)
-    for stream in (7, 0, 9):
+    for stream in (7, 7, 9):
         driver.launch(0x1230, (132, 2, 1), (384, 1, 1), 200_000, stream, params)
-    assert len(fake_cu.launches) == 3
+    assert fake_cu.built == [("function", 0x1230), ("stream", 7), ("stream", 9)]
     *head, kernel_params, extra = fake_cu.launches[-1]
-    assert head == [0x1230, 132, 2, 1, 384, 1, 1, 200_000, 9] and extra is None
-    assert fake_cu.launches[1][8] is None  # stream 0: a null CUstream, the legacy default stream
+    assert head == [("function", 0x1230), 132, 2, 1, 384, 1, 1, 200_000, ("stream", 9)] and extra == 0
     # kernelParams: one pointer, to the parameter block itself (its one by-value struct argument).
-    assert ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))[0] == ctypes.addressof(params)
-
-
-def test_a_tensor_map_is_repointed_through_the_drivers_entry_point(fake_cu):
-    CudaDriver().replace_tensor_map_address(0x5000, 0x6000)
-    assert fake_cu.replaced == [(0x5000, 0x6000)]
-
-
-def test_a_driver_without_an_entry_point_is_a_cuda_error_at_start(fake_cu):
-    fake_cu.missing = ("cuTensorMapReplaceAddress",)
-    with pytest.raises(CudaError, match=r"^cuGetProcAddress\(cuTensorMapReplaceAddress\) found no entry point"):
-        CudaDriver()
+    assert struct.unpack("P", kernel_params) == (ctypes.addressof(params),)
 
 
 @pytest.mark.parametrize("call, what", [

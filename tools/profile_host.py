@@ -9,10 +9,8 @@ Usage (on a GPU machine): tools/pyenv.sh python3 tools/profile_host.py > host-pa
 from __future__ import annotations
 
 import cProfile
-import ctypes
 import io
 import pstats
-import struct
 import sys
 from pathlib import Path
 from typing import Callable
@@ -66,20 +64,6 @@ def main() -> None:
     row("    KernelLaunch.bound", lambda: first.bound(tensors, driver.replace_tensor_map_address))
     row("    driver.launch", lambda: driver.launch(plan.kernels[0].handle, first.grid, (first.entry.threads, 1, 1),
                                                    first.entry.smem_bytes, stream, params))
-    # The same launch through cuda-bindings' own wrapper (the driver's route up to v28), for comparison.
-    from cuda.bindings import driver as cu
-    function, handle = cu.CUfunction(int(plan.kernels[0].handle)), cu.CUstream(stream)
-    kernel_params = struct.pack("P", ctypes.addressof(params))
-    row("    the same through cuda.bindings.driver.cuLaunchKernel",
-        lambda: cu.cuLaunchKernel(function, *first.grid, first.entry.threads, 1, 1, first.entry.smem_bytes, handle,
-                                  kernel_params, 0))
-    if first.tensor_maps:
-        offset = getattr(type(params), first.tensor_maps[0][0]).offset
-        address = ctypes.addressof(params) + offset
-        target = tensors[first.tensor_maps[0][1]].data_ptr()
-        row("    driver.replace_tensor_map_address", lambda: driver.replace_tensor_map_address(address, target))
-        row("    the same through cuda.bindings.driver.cuTensorMapReplaceAddress",
-            lambda: cu.cuTensorMapReplaceAddress(cu.CUtensorMap(_ptr=address), target))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         row("torch SDPA flash forward", lambda: F.scaled_dot_product_attention(q, k, v))
 
