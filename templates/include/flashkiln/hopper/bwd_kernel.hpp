@@ -440,6 +440,10 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       zero_past_end(ss.q + st.stage * T::kElemsQ, ss.dout + st.stage * T::kElemsQ, s.seqlen_q - row0,
                     Int<T::kBlockM>{});
     }
+    // S^T, dP^T and dQ are overwritten per tile: discarded first, they hold no registers from their
+    // last read to their next GEMM, registers the other accumulators need (docs/perf.md, v29).
+    discard_operand(acc_s);
+    discard_operand(acc_dp);
     wgmma_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.stage), acc_s);
     wgmma_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.stage), acc_dp);
     warpgroup_wait<1>();  // S^T
@@ -557,6 +561,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     const bool own_dq = !T::kDqAlternate || (m - tiles.first) % 2 == warpgroup;
     if (own_dq) {
       Tensor tdQrdS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds), typename T::SmemLayoutdS{}));
+      discard_operand(acc_dq);
       wgmma_gemm<true>(mma_dq, tdQrdS, tdQrK, acc_dq);
       warpgroup_wait<0>();
     } else {

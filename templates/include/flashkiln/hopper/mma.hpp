@@ -8,6 +8,17 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
+// Marks every register of `acc` as written here, with no instruction, so that its old values are
+// dead from their last read on. For an accumulator that a zero-initialized GEMM overwrites next:
+// that GEMM's operand fence ("+f") reads them, which keeps them live until then, across the loop.
+template <class Tensor>
+__device__ __forceinline__ void discard_operand(Tensor& acc) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    asm volatile("" : "=f"(acc(i))::"memory");
+  }
+}
+
 // acc (+)= A B on the warpgroup's tensor cores, as one committed group. kZeroInit overwrites acc
 // with the first k-block's product. The caller waits (warpgroup_wait) before reading acc.
 template <bool kZeroInit, class TiledMma, class TensorA, class TensorB, class TensorC>
