@@ -2,7 +2,9 @@
 
 B = 1, H = 1, S = 128, d = 64, bf16: the device work is a few microseconds, so 1000 calls with one
 synchronize at the end measure what the host spends per call (Python, checks, lookups, launches).
-Rows: the forward alone and forward + backward through autograd, per family for flashkiln.
+Rows: the forward alone and forward + backward through autograd, per family for flashkiln; the SDPA
+forward on inputs that need no gradient (no autograd.Function); the backward alone, beside torch's
+flash backward op called directly.
 
 Usage (on a GPU machine): tools/pyenv.sh python3 bench/host_overhead.py --out build/bench-host
 """

@@ -4,8 +4,8 @@
 (no graph breaks), have shape-only fake implementations for tracing, and the forward's autograd
 formula calls the backward op. In eager mode the SDPA drop-in and varlen_attention run the same
 functions through a plain autograd.Function, one call per direction, without the custom-op
-dispatch's host time. Every launch goes on the current stream, so both also work under
-CUDA-graph capture.
+dispatch's host time (and the forward alone where nothing can be differentiated). Every launch
+goes on the current stream, so both also work under CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -183,7 +183,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional
                sink: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                cu_seqlens_k: Optional[torch.Tensor], settings: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse), differentiable: the custom op under torch.compile, the same functions through a
-    plain autograd.Function in eager mode. `settings`: the op's other arguments, in its order
+    plain autograd.Function in eager mode (the forward alone when grad mode is off or no input
+    requires grad). `settings`: the op's other arguments, in its order
     (causal, scale, deterministic, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap);
     apart from the tensors, so that autograd's apply looks at 8 arguments, not 15."""
     if torch.compiler.is_compiling():
