@@ -295,7 +295,6 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   Tensor tdPrdO = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutQ{}));
   Tensor tdVrdO = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutQt{}));
   Tensor tdKrQ = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQt{}));
-  Tensor tdQrK = thr_dq.partition_fragment_B(make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutKt{}));
 
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kBlockM>>{}));  // (key, row)
   Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
@@ -561,6 +560,11 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     const bool own_dq = !T::kDqAlternate || (m - tiles.first) % 2 == warpgroup;
     if (own_dq) {
       Tensor tdQrdS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds), typename T::SmemLayoutdS{}));
+      // Kᵀ's descriptors are made per tile from an opaque copy of K's address: hoisted out of the
+      // loop, one per k-block, they held two registers each across it (docs/perf.md, v29).
+      Element* k_smem = ss.k;
+      asm volatile("" : "+l"(k_smem));
+      Tensor tdQrK = thr_dq.partition_fragment_B(make_tensor(make_smem_ptr(k_smem), typename T::SmemLayoutKt{}));
       discard_operand(acc_dq);
       wgmma_gemm<true>(mma_dq, tdQrdS, tdQrK, acc_dq);
       warpgroup_wait<0>();
