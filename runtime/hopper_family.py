@@ -33,6 +33,9 @@ def runs_on(capability: tuple[int, int]) -> str | None:
     return None
 
 
+# The backward's consumer warpgroups (kBwdConsumerWarpgroups, hopper/bwd_dq_tiles.hpp): a
+# deterministic call's dQ semaphores count per query tile and warpgroup.
+BWD_CONSUMER_WARPGROUPS = 2
 # Rows of one TMA store of O: each consumer warpgroup writes its own 64 rows.
 _O_BOX_ROWS = 64
 
@@ -161,8 +164,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     scratch.take("delta", (layout_batches, hq, shape.total_q), f32)
     scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d), f32)  # zeroed by the preprocess
     if deterministic:
-        warpgroups = tile_n // 64  # hopper/bwd_traits.hpp: a consumer warpgroup per 64 keys
-        scratch.take("dq_semaphore", (b, hq, ceil_div(sq, tile_m), warpgroups), torch.int32, zeroed=True)
+        scratch.take("dq_semaphore", (b, hq, ceil_div(sq, tile_m), BWD_CONSUMER_WARPGROUPS), torch.int32,
+                     zeroed=True)
     else:
         scratch.absent("dq_semaphore")
     if call.sink_parts:  # zeros: the CTAs past a shorter packed sequence's key tiles write nothing

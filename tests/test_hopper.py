@@ -46,7 +46,9 @@ def test_default_hopper_specs_cover_the_backward_contract():
     variants = [v.descriptor for v in load_variants(REPO / "specs")
                 if v.descriptor.family == "hopper" and v.descriptor.kernel != "fwd"]
     main = [d for d in variants if d.kernel == "bwd"]
-    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (128, 128)}
+    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (128, 128), (256, 256)}
+    # d 256 (the consumers split columns) has neither a bias nor a window or cap yet.
+    assert all(d.bias == "none" and not d.window and not d.softcap for d in main if d.d_qk == 256)
     assert {d.causal for d in main} == {"none", "bottom_right"}
     assert {d.bias for d in main} == {"none", "additive"}
     assert not any(d.deterministic or d.packed for d in main)  # set at run time
@@ -59,7 +61,9 @@ def test_default_hopper_specs_cover_the_backward_contract():
 @pytest.mark.parametrize("overrides, message", [
     ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "serves deterministic calls too"),
     ({"kernel": "bwd", "packed": True, "tile_m": 64}, "sequence bounds at run time"),
-    ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64}, "head dims 64 and 128"),
+    ({"kernel": "bwd", "d_qk": 192, "d_v": 192, "tile_m": 64}, "head dims 64, 128"),
+    ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64, "bias": "additive"}, "has no bias yet"),
+    ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64, "softcap": True}, "has no softcap yet"),
     ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
     ({"kernel": "bwd_post", "causal": "bottom_right", "tile_m": 64}, "does not mask"),
     ({"kernel": "bwd_pre"}, "the hopper family has only"),
@@ -90,7 +94,11 @@ def test_tuning_errors(overrides, message):
     ({"d_qk": 64, "d_v": 64, "tile_m": 192, "warps": 12}, "one or two 64-row"),
     ({"d_qk": 64, "d_v": 64, "tile_m": 64, "tile_n": 64}, "128 keys per CTA"),
     ({"d_qk": 64, "d_v": 64, "tile_m": 128, "bias": "additive"}, "bytes of shared memory"),
+    ({"d_qk": 256, "d_v": 256, "tile_m": 64, "tile_n": 128}, "64 keys per CTA at d_qk=256"),
+    ({"d_qk": 256, "d_v": 256, "tile_m": 64, "tile_n": 64, "stages": 2}, "one Q/dO stage"),
+    ({"d_qk": 256, "d_v": 256, "tile_m": 128, "tile_n": 64, "stages": 1}, "one 64-column dQ part"),
     ({"kernel": "bwd_post", "d_qk": 64, "d_v": 64, "tile_m": 128, "warps": 4, "stages": 1}, "64-row dQ tiles"),
+    ({"kernel": "bwd_post", "tile_m": 64, "tile_n": 64, "warps": 4, "stages": 1}, "no key tiles"),
 ])
 def test_backward_tuning_errors(overrides, message):
     errors = HOPPER.tuning_errors(hopper(**{"kernel": "bwd", **overrides}))
@@ -102,12 +110,18 @@ def test_backward_query_tiles_per_head_dim():
     tiles = {(d.d_qk, d.bias, d.softcap): d.tile_m for d in (v.descriptor for v in load_variants(REPO / "specs"))
              if d.family == "hopper" and d.kernel == "bwd"}
     assert tiles == {(64, "none", False): 128, (64, "additive", False): 64, (64, "none", True): 64,
-                     (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64}
+                     (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64,
+                     (256, "none", False): 64}
     d64 = hopper(kernel="bwd", d_qk=64, d_v=64)
     assert not HOPPER.tuning_errors(d64)
     # K, V; two stages of Q and dO; two dS buffers; each warpgroup's 64-row dQ staging; stats and
     # barriers rounded to 1024 bytes; the alignment slack.
     assert HOPPER.smem_bytes(d64) == 2 * (2 * 128 * 64 + 4 * 128 * 64 + 2 * 128 * 128) + 4 * 2 * 64 * 64 + 4096 + 1008
+    # d 256, split columns: 64 keys, one stage, a third 64 x 64 buffer (P^T), dQ staged in two
+    # 128-column parts.
+    d256 = hopper(kernel="bwd", d_qk=256, d_v=256, tile_m=64, tile_n=64, stages=1)
+    assert not HOPPER.tuning_errors(d256)
+    assert HOPPER.smem_bytes(d256) == 2 * (2 * 64 * 256 + 2 * 64 * 256 + 3 * 64 * 64) + 4 * 2 * 64 * 128 + 2048 + 1008
 
 
 def test_smem_formula():

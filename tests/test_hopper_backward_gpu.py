@@ -76,7 +76,7 @@ def _check_both(q, k, v, dout, causal, repro, **kw):
         assert err <= bound, f"{name}: max|hopper - portable| = {err:.3g} exceeds {bound:.3g}\n{repro}"
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 def test_sweep_gqa_bf16(sq, sk, causal, d):
@@ -87,7 +87,7 @@ def test_sweep_gqa_bf16(sq, sk, causal, d):
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 1)], ids=["mha", "mqa"])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 def test_heads_and_fp16(d, causal, hq, hkv):
     seed = seed_of("hopper-bwd-heads", d, causal, hq, hkv)
     q, k, v, dout = _tensors(seed, 3, hq, hkv, 777, 555, d, torch.float16)
@@ -133,7 +133,8 @@ def _auto_family(**kw) -> str:
 @pytest.mark.parametrize("kw, family", [
     ({}, "hopper"),
     ({"d": 64}, "hopper"),
-    ({"d": 256}, "portable"),            # no hopper variant
+    ({"d": 256}, "hopper"),
+    ({"d": 256, "with_bias": True}, "portable"),  # no hopper variant: a bias at d 256
     ({"deterministic": True}, "hopper"),
     ({"with_bias": True}, "hopper"),
     ({"with_bias": True, "bias_grad": True}, "hopper"),  # dBias of a key-varying bias: dS stored
@@ -158,7 +159,7 @@ def _deterministic_runs(q, k, v, dout, causal, runs, **kw):
     return first
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk,hq,hkv", DETERMINISTIC_SHAPES)
 def test_deterministic_is_bitwise_reproducible(sq, sk, hq, hkv, causal, d):
@@ -172,12 +173,13 @@ def test_deterministic_is_bitwise_reproducible(sq, sk, hq, hkv, causal, d):
                                causal=causal, d=d))
 
 
+@pytest.mark.parametrize("d", (128, 256))
 @pytest.mark.parametrize("causal", CAUSAL)
-def test_deterministic_with_sink_gradient_and_fp16(causal):
+def test_deterministic_with_sink_gradient_and_fp16(causal, d):
     """GQA with sinks and dSink in fp16: dq, dk, dv and dsink bitwise equal over 20 runs, and close
     to the atomic route's."""
-    seed = seed_of("hopper-det-sink", causal)
-    q, k, v, dout = _tensors(seed, 2, 6, 2, 700, 900, 128, torch.float16)
+    seed = seed_of("hopper-det-sink", causal, d)
+    q, k, v, dout = _tensors(seed, 2, 6, 2, 700, 900, d, torch.float16)
     sink = torch.randn(6, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
     ordered = _deterministic_runs(q, k, v, dout, causal, 20, sink=sink, sink_grad=True)
     atomic, _ = _backward(dout, q, k, v, causal, "hopper", route="atomic", sink=sink, sink_grad=True)

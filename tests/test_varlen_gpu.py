@@ -245,7 +245,7 @@ BACKWARD_CASES = [(route, backend) for route in ROUTES for backend in BACKENDS
 
 
 @pytest.mark.parametrize("route,backend", BACKWARD_CASES)
-@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=["d64", "d128"])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256)], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
@@ -395,16 +395,17 @@ def test_validate_checks_offsets_on_the_device_tensors():
         flashkiln.varlen_attention(*args[:5], case.max_q - 1, case.max_k, validate=True)
 
 
+@pytest.mark.parametrize("d", (128, 256))
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_hopper_deterministic_backward_with_sinks(lengths, causal):
+def test_hopper_deterministic_backward_with_sinks(lengths, causal, d):
     """The hopper backward's ordered dQ on packed batches with GQA and sinks: dq, dk, dv and dSink
     bitwise equal over 20 runs, and against each sequence alone."""
     _skip_unless_runs("hopper")
-    seed = seed_of("varlen-hopper-det", lengths, causal)
-    case = _packed_case(seed, lengths, hq=6, hkv=2)
+    seed = seed_of("varlen-hopper-det", lengths, causal, d)
+    case = _packed_case(seed, lengths, hq=6, hkv=2, dims=(d, d))
     sink = torch.linspace(-2.0, 3.0, case.q.shape[1], device="cuda")
-    repro = _repro("test_hopper_deterministic_backward_with_sinks", lengths=lengths, causal=causal)
+    repro = _repro("test_hopper_deterministic_backward_with_sinks", lengths=lengths, causal=causal, d=d)
     out, lse = _forward(case, causal, None, sink)
     with _forced_route("ordered"):  # the first call plans (and logs its route); the others hit the plan cache
         runs = [flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal, sink=sink,

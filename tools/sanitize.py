@@ -15,8 +15,9 @@ import torch
 import flashkiln
 from flashkiln.dq_routes import ROUTE_ENV, ROUTES
 
-# (B, H_q, H_kv, S_q, S_k, d, causal, bias shape or None, score modifications); racecheck runs the first 5
+# (B, H_q, H_kv, S_q, S_k, d, causal, bias shape or None, score modifications); racecheck runs the first 6
 CASES = [
+    (1, 2, 1, 130, 200, 256, "bottom_right", None, {}),  # d 256: the hopper backward's split columns
     (1, 2, 2, 200, 300, 128, "top_left", None, {}),  # the hopper forward's second tuning (128 keys)
     (1, 2, 1, 17, 129, 64, None, (1, 1, 1, 129), {}),
     (1, 2, 2, 129, 17, 128, "bottom_right", (1, 2, 129, 17), {}),
@@ -35,6 +36,7 @@ CASES = [
 PACKED_CASES = [
     ((17, 0, 130), (129, 5, 0), 2, 1, 64, "bottom_right", True),
     ((1, 70), (64, 70), 2, 2, 128, "top_left", False),
+    ((17, 0, 130), (129, 5, 0), 2, 1, 256, "bottom_right", False),
 ]
 
 

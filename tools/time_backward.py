@@ -4,9 +4,9 @@ For A/B runs of two builds in one device call: run it once per tree (tools/pyenv
 compare the `flashkiln / cudnn` ratios, which absorb the drift between the two processes. Timing:
 bench/bench.py's, with L2 flushed before each timed call.
 Usage: tools/pyenv.sh python3 tools/time_backward.py LABEL [--reps N] [--backend FAMILY] [--sweep [VARIANT]]
-  [--seqlens S ...]
+  [--seqlens S ...] [--dims D ...]
   > out.json
-(--sweep: S 1k-16k at d 64 and 128 instead of the A/B cases, as plain calls or deterministic or sink
+(--sweep: S 1k-16k at d 64 and 128 (--dims) instead of the A/B cases, as plain calls or deterministic or sink
 ones, or with an additive bias: "bias" of shape (B, H, S, S), "shared-bias" (1, 1, S, S), "head-bias"
 (1, H, S, S) and "row-bias" (B, H, 1, S), without dBias, and "dbias", "shared-dbias", "head-dbias" and
 "row-dbias" the same with it; cuDNN's backward stays unbiased, the reference for every variant. Each
@@ -35,8 +35,8 @@ BIAS_VARIANTS = ("bias", "shared-bias", "head-bias", "row-bias")
 VARIANTS = ("plain", "deterministic", "sink", *BIAS_VARIANTS, *(v.replace("bias", "dbias") for v in BIAS_VARIANTS))
 
 
-def sweep(variant: str, seqlens: tuple[int, ...]) -> list[tuple[int, int, bool, str]]:
-    return [(d, s, causal, variant) for d in (64, 128) for causal in (False, True) for s in seqlens]
+def sweep(variant: str, seqlens: tuple[int, ...], dims: tuple[int, ...]) -> list[tuple[int, int, bool, str]]:
+    return [(d, s, causal, variant) for d in dims for causal in (False, True) for s in seqlens]
 
 
 def main() -> None:
@@ -47,9 +47,10 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="?", const="plain", choices=VARIANTS)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
                         help="the sweep's sequence lengths")
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="the sweep's head dims")
     args = parser.parse_args()
     rows = []
-    for d, s, causal, variant in sweep(args.sweep, tuple(args.seqlens)) if args.sweep else CASES:
+    for d, s, causal, variant in sweep(args.sweep, tuple(args.seqlens), tuple(args.dims)) if args.sweep else CASES:
         b, h = 16384 // s, 2048 // d
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)

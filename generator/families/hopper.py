@@ -2,11 +2,11 @@
 
 Forward (hopper/fwd_*.hpp): one producer warpgroup and one consumer warpgroup per 64 query rows;
 K/V (and bias tiles, with a bias) stream through a ring of `stages` shared-memory buffers.
-Backward (hopper/bwd_*.hpp): a CTA per key tile of tile_n keys (one consumer warpgroup per 64),
-Q and dO of tile_m rows streaming through `stages` buffers; its postprocess (bwd_post) reads the
-main kernel's dQ accumulator in 64-row tiles whose column parts follow the main kernel's tile_n
-(its consumer warpgroups), so it shares tile_n with the main kernel. The preprocess is the portable
-family's (bwd_pre). The formulas here are static_asserted by the C++ side (threads, shared-memory
+Backward (hopper/bwd_*.hpp): a CTA per key tile of tile_n keys and two consumer warpgroups, which
+split it by keys (tile_n 128, 64 each) or, at d 256, by dK's and dV's columns (tile_n 64), Q and
+dO of tile_m rows streaming through `stages` buffers; its postprocess (bwd_post) reads the main
+kernel's dQ accumulator in 64-row tiles whose column parts follow the head dim alone. The
+preprocess is the portable family's (bwd_pre). The formulas here are static_asserted by the C++ side (threads, shared-memory
 bytes), like the portable family's.
 """
 from __future__ import annotations
@@ -26,7 +26,11 @@ _ALIGN_SLACK = 1024 - 16
 # The rows of the backward's dQ accumulator tiles (hopper/bwd_dq_tiles.hpp): bwd_post's tile_m,
 # and what the main kernel's query tiles are made of.
 _DQ_TILE_ROWS = 64
-_BWD_TILE_N = 128  # two consumer warpgroups of 64 keys (hopper/bwd_traits.hpp)
+_BWD_CONSUMER_WARPGROUPS = 2  # kBwdConsumerWarpgroups (hopper/bwd_dq_tiles.hpp)
+# Head dims whose dK and dV of 64 keys fit a consumer warpgroup's registers: the warpgroups split
+# a key tile of 128 by keys; at 256 they split one of 64 by columns (hopper/bwd_traits.hpp).
+_BWD_KEY_SPLIT_DIMS = (64, 128)
+_BWD_COLUMN_SPLIT_DIM = 256
 
 
 class HopperFamily(Family):
@@ -36,10 +40,20 @@ class HopperFamily(Family):
     archs = ("sm_90a",)
     arch_needs = "wgmma and setmaxnreg"
     kernels = {"fwd": "hopper_fwd.cu.j2", "bwd": "hopper_bwd.cu.j2", "bwd_post": "hopper_bwd_post.cu.j2"}
-    shared_tiles = {"bwd_post": ("bwd", ("tile_n",))}
+    shared_tiles = {}
 
     def consumer_warpgroups(self, d: VariantDescriptor) -> int:
-        return d.tile_m // 64 if d.kernel == "fwd" else d.tile_n // 64
+        return d.tile_m // 64 if d.kernel == "fwd" else _BWD_CONSUMER_WARPGROUPS
+
+    @staticmethod
+    def bwd_tile_n(d: VariantDescriptor) -> int:
+        """The main backward kernel's keys per CTA at d's head dim."""
+        return 64 if d.d_qk == _BWD_COLUMN_SPLIT_DIM else 64 * _BWD_CONSUMER_WARPGROUPS
+
+    @staticmethod
+    def splits_columns(d: VariantDescriptor) -> bool:
+        """Whether the backward's consumers split dK's and dV's columns (BwdTraits::kSplitColumns)."""
+        return d.kernel == "bwd" and d.tile_n == 64
 
     def smem_bytes(self, d: VariantDescriptor) -> int:
         if d.kernel == "bwd":
@@ -54,13 +68,14 @@ class HopperFamily(Family):
         return warpgroups if d.d_qk // warpgroups >= 64 else 1
 
     def _bwd_smem_bytes(self, d: VariantDescriptor) -> int:
-        """BwdTraits::SharedStorage: K, V, `stages` x (Q, dO), two dS buffers, each warpgroup's dQ
-        staging (fp32), then two buffers of row stats, the barriers and dSink's per-warp sums (with
-        the empty NoBias's byte), rounded up to 1024 bytes, then with a bias `stages` bias tiles,
-        and the alignment slack."""
+        """BwdTraits::SharedStorage: K, V, `stages` x (Q, dO), two dS buffers (and P^T's where the
+        warpgroups split columns), each warpgroup's dQ staging (fp32), then two buffers of row
+        stats, the barriers and dSink's per-warp sums (with the empty NoBias's byte), rounded up to
+        1024 bytes, then with a bias `stages` bias tiles, and the alignment slack."""
         elem = ELEMENT_BYTES[d.dtype]
         bias = d.bias != "none"
-        tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + 2 * d.tile_m * d.tile_n)
+        ds_buffers = 3 if self.splits_columns(d) else 2
+        tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + ds_buffers * d.tile_m * d.tile_n)
         dq_staging = 4 * self.consumer_warpgroups(d) * _DQ_TILE_ROWS * (d.d_qk // self.dq_parts(d))
         # K/V, Q/dO ring, dQ staging, dBias turns
         barriers = 8 * (1 + 2 * d.stages + 2 * self.consumer_warpgroups(d) + 2)
@@ -114,9 +129,15 @@ class HopperFamily(Family):
                           "list packed: [false]")
         if d.d_qk != d.d_v:
             errors.append(f"d_qk={d.d_qk}, d_v={d.d_v}: the hopper backward needs equal head dims")
-        if d.d_qk not in (64, 128):
-            errors.append(f"d_qk={d.d_qk}: the hopper backward has head dims 64 and 128 (dK and dV of 64 keys "
-                          "stay in each consumer's registers)")
+        if d.d_qk not in (*_BWD_KEY_SPLIT_DIMS, _BWD_COLUMN_SPLIT_DIM):
+            errors.append(f"d_qk={d.d_qk}: the hopper backward has head dims 64, 128 (dK and dV of 64 keys stay "
+                          "in each consumer's registers) and 256 (the consumers split their columns)")
+        elif d.d_qk == _BWD_COLUMN_SPLIT_DIM and d.kernel == "bwd":
+            for name, on in (("bias", d.bias != "none"), ("window", d.window), ("softcap", d.softcap)):
+                if on:
+                    errors.append(f"{name} at d_qk={d.d_qk}: the hopper backward of split columns has no {name} "
+                                  "yet (its dBias sums assume a consumer warpgroup per key); the portable "
+                                  "backward runs it")
         if d.kernel == "bwd_post" and d.causal != "none":
             errors.append(f"causal={d.causal}: bwd_post does not mask; list it with causal: [none]")
         return errors
@@ -143,9 +164,12 @@ class HopperFamily(Family):
 
     def _bwd_tuning_errors(self, d: VariantDescriptor) -> list[str]:
         errors = []
-        if d.tile_n != _BWD_TILE_N:
-            errors.append(f"tile_n={d.tile_n}: the hopper backward runs {_BWD_TILE_N} keys per CTA (two consumer "
-                          "warpgroups of 64 keys)")
+        if d.kernel == "bwd" and d.tile_n != self.bwd_tile_n(d):
+            split = "by columns" if self.bwd_tile_n(d) == 64 else "by keys, 64 each"
+            errors.append(f"tile_n={d.tile_n}: the hopper backward runs {self.bwd_tile_n(d)} keys per CTA at "
+                          f"d_qk={d.d_qk} (two consumer warpgroups, split {split})")
+        if d.kernel == "bwd_post" and d.tile_n != 1:
+            errors.append(f"tile_n={d.tile_n}: bwd_post has no key tiles; must be 1")
         if d.kernel == "bwd" and d.tile_m not in (_DQ_TILE_ROWS, 2 * _DQ_TILE_ROWS):
             errors.append(f"tile_m={d.tile_m}: the hopper backward's query tiles are one or two {_DQ_TILE_ROWS}-row "
                           "dQ tiles")
@@ -156,10 +180,13 @@ class HopperFamily(Family):
         if d.kernel == "bwd_post" and d.tile_m != _DQ_TILE_ROWS:
             errors.append(f"tile_m={d.tile_m}: bwd_post works on the accumulator's {_DQ_TILE_ROWS}-row dQ tiles")
         if d.kernel == "bwd":
-            warps = 4 * (1 + _BWD_TILE_N // 64)
+            warps = 4 * (1 + _BWD_CONSUMER_WARPGROUPS)
             if d.warps != warps:
                 errors.append(f"warps={d.warps}: bwd needs {warps} (a producer warpgroup and two consumers)")
-            if d.stages < 2:
+            if self.splits_columns(d) and d.stages != 1:
+                errors.append(f"stages={d.stages}: split columns take one Q/dO stage (P^T's buffer is reused once "
+                              "the next tile's Q lands, and a second stage exceeds shared memory)")
+            elif not self.splits_columns(d) and d.stages < 2:
                 errors.append(f"stages={d.stages}: the Q/dO ring needs at least 2 buffers")
         else:
             if d.warps != 4:

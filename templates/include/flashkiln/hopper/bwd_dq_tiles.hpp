@@ -12,13 +12,13 @@
 namespace flashkiln::hopper {
 
 inline constexpr int kDqTileRows = 64;
+inline constexpr int kBwdConsumerWarpgroups = 2;  // of the main kernel (bwd_traits.hpp)
 static_assert(kDqAccumRowAlign % kDqTileRows == 0, "a head's accumulator rows are whole query tiles");
 
-// Parts per query tile for a head dim and the warpgroups of the main kernel: one per warpgroup
-// where each gets whole 64-column boxes, else one (every warpgroup adds its keys' share to all
-// columns).
-__host__ __device__ constexpr int dq_tile_parts(int dim, int warpgroups) {
-  return dim / warpgroups >= 64 ? warpgroups : 1;
+// Parts per query tile for a head dim: one per consumer warpgroup of the main kernel where each
+// gets whole 64-column boxes, else one (the warpgroups take turns, a whole query tile each).
+__host__ __device__ constexpr int dq_tile_parts(int dim) {
+  return dim / kBwdConsumerWarpgroups >= 64 ? kBwdConsumerWarpgroups : 1;
 }
 
 template <int kDim, int kParts>

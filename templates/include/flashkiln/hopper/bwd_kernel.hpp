@@ -3,9 +3,10 @@
 // and dO of every query tile that sees the key tile through a ring of kStages buffers (and stores
 // the dS tiles that are a full bias's dBias), and one thread per consumer warpgroup adds the dQ
 // that warpgroup stages to an fp32 accumulator with bulk reduce-adds (in a fixed key-tile order
-// for a deterministic call). Each consumer warpgroup owns 64 keys and keeps their dK and dV in
-// registers over the loop. Around it run the preprocess (delta, the accumulator zeroed) and the
-// postprocess (hopper/bwd_post.hpp). See docs/design.md, "Hopper backward kernel".
+// for a deterministic call). The two consumer warpgroups keep the key tile's dK and dV in
+// registers over the loop, split by keys or by columns (bwd_traits.hpp). Around it run the
+// preprocess (delta, the accumulator zeroed) and the postprocess (hopper/bwd_post.hpp). See
+// docs/design.md, "Hopper backward kernel".
 #pragma once
 
 #include <cuda/atomic>
@@ -302,7 +303,8 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<T::kBlockN>, Int<T::kDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<T::kBlockN>, Int<T::kDim>>{});
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<T::kBlockM>, Int<T::kDim>>{});
-  // P^T and dS^T in the element type, as the A operands of dV and dK.
+  // P^T and dS^T in the element type, as the A operands of dV and dK (through shared memory where
+  // the warpgroups split columns: the P^T buffer follows the two dS buffers).
   Tensor p_regs = make_fragment_like<Element>(acc_s);
   Tensor ds_regs = make_fragment_like<Element>(acc_dp);
   Tensor tdVrP = make_tensor(p_regs.data(), acc_as_operand_a(p_regs.layout()));
@@ -377,13 +379,16 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   // through the tile's dS buffer (free until its dS is stored), into the tile's stats and into
   // delta, which dBias's closed form reads.
   const bool whole_rows = ceil_div(s.seqlen_k, T::kBlockN) == 1 && p.keys_complete;
+  // The rows of S^T that a warpgroup computes, and the warps that hold a row's keys.
+  constexpr int kWarpgroupRows = T::kBlockM / T::kSdPWarpgroupsN;
+  constexpr int kWarpsPerRow = T::kConsumerThreads / 32 / T::kSdPWarpgroupsN;
   auto exact_deltas = [&](int row0, int buffer) {
     // A thread's rows in an m64 accumulator: r0 + dr, dr = 8 j + e; a row at a time, so that one
     // partial sum is live beside the accumulators.
     const int r0 = get<1>(cS(0));
     float* const sums = reinterpret_cast<float*>(ss.ds + buffer * T::kElemsdS);  // (warp, row)
     CUTE_UNROLL
-    for (int dr = 0; dr < T::kBlockM; dr += dr % 2 == 0 ? 1 : 7) {
+    for (int dr = 0; dr < kWarpgroupRows; dr += dr % 2 == 0 ? 1 : 7) {
       float part = 0.f;
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
@@ -402,8 +407,10 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     if (thread < T::kBlockM) {
       float total = 0.f;
+      // The warps of warpgroup n of S^T's rows (every warp where the warpgroups split keys).
+      const int first_warp = T::kSdPWarpgroupsN == 1 ? 0 : thread / kWarpgroupRows * kWarpsPerRow;
       CUTE_UNROLL
-      for (int w = 0; w < T::kConsumerThreads / 32; ++w) {
+      for (int w = first_warp; w < first_warp + kWarpsPerRow; ++w) {
         total += sums[w * T::kBlockM + thread];
       }
       const bool inside = row0 + thread < s.seqlen_q;
@@ -475,8 +482,14 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       acc_s(i) = prob;
     }
     p_regs = convert_fragment<Element>(acc_s);
-    wgmma_gemm<false>(mma_kv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
-    warpgroup_wait<1>();  // dP^T
+    Element* const p_tile = ss.ds + 2 * T::kElemsdS;
+    if constexpr (T::kSplitColumns) {
+      store_fragment<T::kBlockN>(p_regs, cS, cute::cast_smem_ptr_to_uint(p_tile));
+      warpgroup_wait<0>();  // dP^T
+    } else {
+      wgmma_gemm<false>(mma_kv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
+      warpgroup_wait<1>();  // dP^T
+    }
 
     if constexpr (kSinkGrad) {
       // dSink's exact share: rowsum(P * dP) from unrounded P and dP (delta uses the rounded O).
@@ -520,7 +533,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       }
     }
     ds_regs = convert_fragment<Element>(acc_dp);
-    wgmma_gemm<false>(mma_kv, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
+    if constexpr (!T::kSplitColumns) {
+      wgmma_gemm<false>(mma_kv, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
+    }
     if constexpr (T::kBiasGrad) {
       if (p.ds_workspace != 0) {
         // Into the stage's bias tile, for the producer's store (store_ds_tile): a warp writes the
@@ -551,9 +566,16 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     if (has_next) {
       store_stats(ss.stats[buffer ^ 1], next_stats);
     }
-    cutlass::arch::fence_view_async_shared();  // dS, written by threads, is read by wgmma next
+    cutlass::arch::fence_view_async_shared();  // dS (and P^T), written by threads, is read by wgmma next
     // Both warpgroups' dS are in (dQ reads both), and every read of this tile's stats is done.
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+    if constexpr (T::kSplitColumns) {
+      // Both warpgroups' rows of P^T and dS^T, against this warpgroup's columns of dO and Q.
+      Tensor tdVsP = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(p_tile), typename T::SmemLayoutPt{}));
+      Tensor tdKsdS = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(ds), typename T::SmemLayoutPt{}));
+      wgmma_gemm<false>(mma_kv, tdVsP, tdVrdO(_, _, _, st.stage), acc_dv);
+      wgmma_gemm<false>(mma_kv, tdKsdS, tdKrQ(_, _, _, st.stage), acc_dk);
+    }
 
     // This warpgroup's dQ of the tile (taking turns: every other tile's). Each branch waits for
     // its own GEMMs: accumulators of a GEMM in flight must not meet at a join.
@@ -567,11 +589,18 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       Tensor tdQrK = thr_dq.partition_fragment_B(make_tensor(make_smem_ptr(k_smem), typename T::SmemLayoutKt{}));
       discard_operand(acc_dq);
       wgmma_gemm<true>(mma_dq, tdQrdS, tdQrK, acc_dq);
+      if constexpr (T::kSplitColumns) {
+        // dV and dK have read Q and dO: the next tile's load starts under dQ's GEMM.
+        warpgroup_wait<1>();
+        Barrier::arrive(&ss.q_empty[st.stage]);
+      }
       warpgroup_wait<0>();
     } else {
       warpgroup_wait<0>();
     }
-    Barrier::arrive(&ss.q_empty[st.stage]);  // Q and dO of this stage are read
+    if constexpr (!T::kSplitColumns) {
+      Barrier::arrive(&ss.q_empty[st.stage]);  // Q and dO of this stage are read
+    }
     st.advance();
 
     if (own_dq) {

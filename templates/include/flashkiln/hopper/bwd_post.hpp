@@ -14,12 +14,12 @@
 
 namespace flashkiln::hopper {
 
-template <class Element_, int kDim_, int kBlockN_, int kThreads_>
+template <class Element_, int kDim_, int kThreads_>
 struct BwdPostTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;
   static constexpr int kThreads = kThreads_;
-  static constexpr int kParts = dq_tile_parts(kDim, kBlockN_ / 64);  // as the main kernel's BwdTraits
+  static constexpr int kParts = dq_tile_parts(kDim);  // as the main kernel's BwdTraits
   using DqLayout = DqTileLayout<kDim, kParts>;
   static_assert(kThreads == 128, "a thread per accumulator thread of the m64 fragment");
   static constexpr int kSmemBytes = 0;

@@ -1,14 +1,21 @@
-// Compile-time shape of one Hopper backward variant. A CTA owns one key tile of kBlockN keys (64
-// per consumer warpgroup) and loops over the query tiles of kBlockM rows that see it. Layouts are
-// 128-byte swizzled as TMA writes them and wgmma reads them.
+// Compile-time shape of one Hopper backward variant. A CTA owns one key tile of kBlockN keys and
+// loops over the query tiles of kBlockM rows that see it, with two consumer warpgroups. Layouts
+// are 128-byte swizzled as TMA writes them and wgmma reads them.
 //
-// The five GEMMs per query tile, per consumer warpgroup (its 64 keys):
+// The five GEMMs per query tile:
 //   S^T  = K Q^T     and   dP^T = V dO^T      shared-memory operands;
-//   dV  += P^T dO    and   dK  += dS^T Q      P^T and dS^T from registers (accumulator layout);
+//   dV  += P^T dO    and   dK  += dS^T Q
 //   dQ   = dS K      dS through shared memory (both warpgroups' keys), split between the
 //                    warpgroups by dQ's columns (each a whole 64-column box), by its 64-row
 //                    halves (tiles of 128 rows), or else by query tiles (each warpgroup every
 //                    other tile's).
+// The warpgroups share a key tile in one of two ways:
+//   by keys (kBlockN = 128): each owns 64 keys, computes their S^T and dP^T for every row, and
+//     keeps their dK and dV of every column in registers; P^T and dS^T feed dV and dK from
+//     registers (accumulator layout);
+//   by columns (kBlockN = 64, d = 256, where 64 keys' dK and dV of all 256 columns exceed a
+//     warpgroup's registers): each computes S^T and dP^T of the 64 keys for half the rows, P^T
+//     and dS^T go through shared memory, and each keeps half of dK's and dV's columns.
 // With kBias, a (kBlockM, kBlockN) tile of the additive bias rides in every Q/dO stage.
 #pragma once
 
@@ -35,7 +42,12 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
 
-  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  static constexpr int kConsumerWarpgroups = kBwdConsumerWarpgroups;
+  static constexpr bool kSplitColumns = kBlockN == 64;
+  static_assert(kBlockN == 64 * kConsumerWarpgroups || kSplitColumns, "keys split 64 per warpgroup, or columns");
+  // The warpgroups' grid over S^T (keys, rows): by keys, or by rows where they split columns.
+  static constexpr int kSdPWarpgroupsN = kSplitColumns ? kConsumerWarpgroups : 1;
+  static constexpr int kSdPWarpgroupsM = kConsumerWarpgroups / kSdPWarpgroupsN;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
   // The producer warpgroup (one thread issues every TMA load, one more per consumer warpgroup
@@ -48,21 +60,27 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
                 "setmaxnreg budgets exceed the CTA's registers");
   static constexpr int kBoxCols = 64;  // TMA boxes: one 128-byte swizzle atom wide
 
-  static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups of 64 keys each");
   static_assert(kDim % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
-  static_assert(kStages >= 2, "at least a double-buffered Q/dO pipeline");
+  static_assert(kSplitColumns || kStages >= 2, "at least a double-buffered Q/dO pipeline");
+  // The P^T buffer is rewritten once the next tile's Q lands, which a single stage orders after
+  // both warpgroups' dV GEMMs have read it (they release the stage).
+  static_assert(!kSplitColumns || kStages == 1, "split columns: one Q/dO stage (shared memory)");
+  static_assert(!kSplitColumns || (kDim % (kConsumerWarpgroups * kBoxCols) == 0 && kBlockM == 64),
+                "split columns: whole 64-column boxes per warpgroup, 64-row query tiles");
+  static_assert(!kSplitColumns || !kBias_, "split columns: dBias's key sums assume a warpgroup per key");
   static_assert(kBlockM <= kConsumerThreads, "a consumer thread per row of a tile's row stats");
 
   // A query tile's dQ in the accumulator's 64-row tiles, of kDqParts column parts each: a
   // warpgroup computes and adds one (row tile, part) piece, or where a query tile has one piece
   // the warpgroups take turns, a whole tile's dQ each. (Splitting its keys instead, each warpgroup
   // adding its 64 keys' share to every column, doubled the bulk adds' L2 traffic.)
-  static constexpr int kDqParts = dq_tile_parts(kDim, kConsumerWarpgroups);
+  static constexpr int kDqParts = dq_tile_parts(kDim);
   static constexpr int kDqRowTiles = kBlockM / kDqTileRows;
   static_assert(kBlockM % kDqTileRows == 0, "query tiles of whole 64-row dQ tiles");
   static constexpr bool kDqAlternate = kDqParts * kDqRowTiles == 1;
   static_assert(kDqAlternate || kDqParts * kDqRowTiles == kConsumerWarpgroups,
                 "a dQ piece per consumer warpgroup (128-row tiles need head dims of one 64-column part)");
+  static_assert(!kSplitColumns || !kDqAlternate, "split columns: a dQ part per warpgroup");
   static constexpr int kDqCols = kDim / kDqParts;  // per warpgroup
   using DqLayout = DqTileLayout<kDim, kDqParts>;
 
@@ -83,13 +101,22 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBlockM>, Int<kBlockN>>{}, Step<_2, _1>{}));
 
+  // P^T and dS^T as the A operands of dV and dK where they go through shared memory: (keys, rows),
+  // rows contiguous (K-major); the same bytes as SmemLayoutdS.
+  using SmemLayoutPt = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));
+
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kDim>>>(),
-      Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockN / kSdPWarpgroupsM>, Int<kBlockM / kSdPWarpgroupsN>, Int<kDim>>>(),
+      Layout<Shape<Int<kSdPWarpgroupsM>, Int<kSdPWarpgroupsN>, _1>>{}));
+  using KVAtomShape = Shape<Int<kBlockN / kSdPWarpgroupsM>, Int<kDim / kSdPWarpgroupsN>, Int<kBlockM>>;
   using TiledMmaKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kDim>, Int<kBlockM>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
+      cute::conditional_t<kSplitColumns,
+                          decltype(GMMA::ss_op_selector<Element, Element, float, KVAtomShape, GMMA::Major::K,
+                                                        GMMA::Major::MN>()),
+                          decltype(GMMA::rs_op_selector<Element, Element, float, KVAtomShape, GMMA::Major::K,
+                                                        GMMA::Major::MN>())>{},
+      Layout<Shape<Int<kSdPWarpgroupsM>, Int<kSdPWarpgroupsN>, _1>>{}));
   using TiledMmaDq = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kDqTileRows>, Int<kDqCols>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
@@ -126,7 +153,9 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
     alignas(1024) Element v[kElemsK];
     alignas(1024) Element q[kStages * kElemsQ];
     alignas(1024) Element dout[kStages * kElemsQ];
-    alignas(1024) Element ds[2 * kElemsdS];  // two buffers: a query tile's dS while the last one's dQ runs
+    // Two dS buffers (a query tile's dS while the last one's dQ runs), then P^T's where the
+    // warpgroups split columns.
+    alignas(1024) Element ds[(kSplitColumns ? 3 : 2) * kElemsdS];
     alignas(1024) float dq[kConsumerWarpgroups * DqLayout::kPartFloats];  // each warpgroup's dQ for its bulk add
     RowStats stats[2];
     uint64_t kv_full;           // K and V landed

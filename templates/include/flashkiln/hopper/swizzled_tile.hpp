@@ -2,10 +2,11 @@
 // it: (rows, cols) in 64-column boxes of 128 bytes, 128-byte swizzled, so that the byte offset of
 // (r, c) is (c / 64) * rows * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + (c % 8) * 2.
 //
-// A thread's entries sit at its first entry (r0, c0), c0 < 8, plus row offsets that are
-// multiples of 8 and column offsets that are multiples of 8 (or the pair's second column), so
-// r % 8 and c % 8 are the thread's own and every entry's swizzle is one XOR of a per-thread base
-// with a constant: plain 32-bit shared accesses at base ^ constant + constant. (CuTe's swizzled
+// A thread's entries sit at its first entry (r0, c0) plus row offsets that are multiples of 8 and
+// column offsets that are multiples of 8 (or the pair's second column), so r % 8 and c % 8 are the
+// thread's own; where the 16-byte chunk bits of c0 % 64 and of the column offsets are disjoint (c0
+// < 8, or a warpgroup's 32-column half of a box from column 32), every entry's swizzle is one XOR
+// of a per-thread base with a constant: plain 32-bit shared accesses at base ^ constant + constant. (CuTe's swizzled
 // pointers recompute the swizzle on 64-bit generic addresses at every access, which made the
 // bias reads about twice as expensive as the bias add itself.)
 #pragma once
@@ -36,7 +37,7 @@ struct SwizzledPairs {
 
   __device__ __forceinline__ explicit SwizzledPairs(Coords const& coords_)
       : coords(coords_), r0(get<0>(coords_(0))), c0(get<1>(coords_(0))),
-        base(kRowBroadcast ? uint32_t(c0 * 2) : uint32_t(r0 * 128 + (r0 % 8) * 16 + c0 * 2)) {}
+        base(swizzled_offset<kRows>(kRowBroadcast ? 0 : r0, c0)) {}
 
   // Of the pair that starts at entry i (even); compile-time arithmetic on `base` once unrolled.
   __device__ __forceinline__ uint32_t operator()(int i) const {
