@@ -484,8 +484,13 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     p_regs = convert_fragment<Element>(acc_s);
     Element* const p_tile = ss.ds + 2 * T::kElemsdS;
     if constexpr (T::kSplitColumns) {
+      // dV needs both warpgroups' rows of P^T: stored, then dV runs under dS's arithmetic.
       store_fragment<T::kBlockN>(p_regs, cS, cute::cast_smem_ptr_to_uint(p_tile));
-      warpgroup_wait<0>();  // dP^T
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+      Tensor tdVsP = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(p_tile), typename T::SmemLayoutPt{}));
+      wgmma_gemm<false>(mma_kv, tdVsP, tdVrdO(_, _, _, st.stage), acc_dv);
+      warpgroup_wait<1>();  // dP^T
     } else {
       wgmma_gemm<false>(mma_kv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
       warpgroup_wait<1>();  // dP^T
@@ -566,14 +571,12 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     if (has_next) {
       store_stats(ss.stats[buffer ^ 1], next_stats);
     }
-    cutlass::arch::fence_view_async_shared();  // dS (and P^T), written by threads, is read by wgmma next
+    cutlass::arch::fence_view_async_shared();  // dS, written by threads, is read by wgmma next
     // Both warpgroups' dS are in (dQ reads both), and every read of this tile's stats is done.
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     if constexpr (T::kSplitColumns) {
-      // Both warpgroups' rows of P^T and dS^T, against this warpgroup's columns of dO and Q.
-      Tensor tdVsP = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(p_tile), typename T::SmemLayoutPt{}));
+      // Both warpgroups' rows of dS^T, against this warpgroup's columns of Q.
       Tensor tdKsdS = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(ds), typename T::SmemLayoutPt{}));
-      wgmma_gemm<false>(mma_kv, tdVsP, tdVrdO(_, _, _, st.stage), acc_dv);
       wgmma_gemm<false>(mma_kv, tdKsdS, tdKrQ(_, _, _, st.stage), acc_dk);
     }
 
