@@ -108,6 +108,18 @@ def backward_request(call: BackwardCall) -> dict:
                                bias_grad=call.bias_grad and not call.bias.key_constant)
 
 
+def staggered_sweep(call: BackwardCall, key_tiles: int, target: Target) -> bool:
+    """Whether a deterministic call's key tiles may each start their sweep of the query tiles at
+    their own index (hopper/bwd_kernel.hpp, QuerySweep; the kernel takes it where every key tile
+    visits every query tile). A key tile then waits on dQ turns of key tiles launched after it, so
+    every key tile of the longest sequence must be able to run at once: the kernel runs one CTA per
+    multiprocessor, and half of them are the bound, which leaves room for other streams' kernels
+    (the gain is at short sequences, docs/perf.md v30). A bias keeps the plain order: its dBias
+    turns pass in it."""
+    return (call.ordered and call.bias is None and call.causal == "none" and call.window is None
+            and 2 * key_tiles <= target.multiprocessors)
+
+
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
@@ -189,7 +201,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), **scores,
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step,
         bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step, tma_dbias=dbias_map,
-        keys_complete=int(call.keys_complete))
+        keys_complete=int(call.keys_complete), staggered_sweep=int(staggered_sweep(call, ceil_div(sk, tile_n), target)))
     tensors = {**call.tensors(), **scratch.tensors}
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {}),
              **({"tma_dbias": bias_mod.STORE} if reduction == bias_mod.STORE else {})}

@@ -152,7 +152,8 @@ class HopperBwdParams(ctypes.Structure):
                 "top_left"),
         ("softcap_scale", ctypes.c_float),
         ("keys_complete", ctypes.c_int32),
-        ("_pad", ctypes.c_int32 * 15),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("staggered_sweep", ctypes.c_int32),
+        ("_pad", ctypes.c_int32 * 14),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

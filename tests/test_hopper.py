@@ -429,3 +429,17 @@ def test_the_hopper_backward_takes_only_its_route(monkeypatch, deterministic, fo
         with pytest.raises(UnsupportedError, match=f"{ROUTE_ENV}={forced}: the hopper backward takes the "
                                                    f"{'ordered' if deterministic else 'atomic'} route"):
             plan()
+
+
+@pytest.mark.parametrize("kw, key_tiles, staggered", [
+    ({"deterministic": True}, 66, True),
+    ({"deterministic": True}, 67, False),  # over half of the fake H200's 132 multiprocessors
+    ({}, 8, False),  # no dQ turns
+    ({"deterministic": True, "causal": "bottom_right"}, 8, False),  # key tiles see different query tiles
+    ({"deterministic": True, "window": (16, 16)}, 8, False),
+    ({"deterministic": True, "bias_shape": (1, 1, 64, 64)}, 8, False),  # its dBias turns keep the plain order
+])
+def test_a_deterministic_backward_staggers_its_sweeps_only_where_every_key_tile_runs_at_once(kw, key_tiles,
+                                                                                            staggered):
+    call = _backward_call(**kw)
+    assert hopper_family.staggered_sweep(call, key_tiles, fake_target((9, 0))) is staggered

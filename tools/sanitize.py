@@ -29,6 +29,7 @@ CASES = [
     (1, 2, 1, 200, 200, 64, "top_left", None, {}),  # ... and at d 64 (128 query rows)
     (1, 2, 2, 33, 40, 64, "bottom_right", (1, 2, 33, 1), {}),  # a key-constant bias: dBias in closed form
     (1, 2, 1, 300, 260, 128, None, None, {"window_size": (70, 30)}),  # first key tiles above 0, both edges
+    (1, 2, 1, 300, 200, 64, None, None, {}),  # deterministic: staggered sweeps (5 query tiles, 2 key tiles)
     (1, 2, 2, 257, 257, 64, "bottom_right", None, {"window_size": (100, 0), "softcap": 20.0}),
 ]
 # Packed batches: (query lengths, key lengths, H_q, H_kv, d, causal, bias?), with zero-length

@@ -78,6 +78,55 @@ __device__ __forceinline__ TileRange query_tiles(HopperBwdParams const& p, Seque
                                                       ceil_div(s.seqlen_q, T::kBlockM));
 }
 
+// The order in which a key tile visits its query tiles (index i of the sweep -> query tile): from
+// the first, or staggered, from query tile n_block of the range on, wrapping at its end. Staggered
+// where the call allows it (HopperBwdParams::staggered_sweep: deterministic, and the sequence's key
+// tiles all run at once) and every key tile visits the same range, at least as long as the key
+// tiles: the key tiles of a head then start on different query tiles, and a query tile's dQ turns
+// (dq_turn) follow their order of arrival instead of a pipeline as deep as the key tiles.
+struct QuerySweep {
+  int first, count;
+  bool staggered;
+  int start;
+
+  __device__ __forceinline__ int tile(int i) const {
+    if (!staggered) {
+      return first + i;
+    }
+    const int j = i + start;
+    return first + (j >= count ? j - count : j);
+  }
+};
+
+template <class T>
+__device__ __forceinline__ QuerySweep query_sweep(HopperBwdParams const& p, Sequence const& s, int n_block) {
+  const TileRange tiles = query_tiles<T>(p, s, n_block);
+  const int count = max(tiles.end - tiles.first, 0);
+  bool staggered = false;
+  using Vis = decltype(visibility_of<T>(p, s));
+  if constexpr (!Vis::kRightEdge && !Vis::kLeftEdge) {
+    staggered = p.staggered_sweep != 0 && ceil_div(s.seqlen_k, T::kBlockN) <= count;
+  }
+  return {tiles.first, count, staggered, staggered ? n_block : 0};
+}
+
+// Key tile n_block's turn among the key tiles that add to query tile m's dQ in a deterministic
+// call (0: the first to add). Those key tiles are visible_key_tiles of m's rows, one unbroken
+// range: they add from the last down to the first, or, staggered (every key tile visits every
+// query tile, query tile i of the sweep at step (i - n) mod count), in the order they reach m:
+// min(i, n_last), its predecessor, ..., wrapping from key tile 0 to n_last.
+template <class T, class Vis>
+__device__ __forceinline__ int dq_turn(QuerySweep const& sweep, Vis const& vis, Sequence const& s, int m,
+                                       int n_block) {
+  const int n_tiles = ceil_div(s.seqlen_k, T::kBlockN);
+  if (sweep.staggered) {
+    const int leader = min(m - sweep.first, n_tiles - 1);
+    return (leader - n_block + n_tiles) % n_tiles;
+  }
+  const int row0 = m * T::kBlockM;
+  return visible_key_tiles<T::kBlockN>(vis, row0, row0 + T::kBlockM, n_tiles).end - 1 - n_block;
+}
+
 // Query tile m's dS, which the consumers left in the bias tile of `stage`, to the dBias of a full
 // bias (HopperBwdParams::tma_dbias: a sequence's plane, clipped at its rows and keys), with its reads
 // of the stage done on return.
@@ -114,24 +163,25 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     tma_load(&p.tma_k, &ss.kv_full, ss.k + offset, c * T::kBoxCols, key_row, head_kv, entry);
     tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kBoxCols, key_row, head_kv, entry);
   }
-  const TileRange tiles = query_tiles<T>(p, s, n_block);
+  const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   // A full bias's dBias: the consumers leave each tile's dS in its stage's bias tile, which this
   // thread stores once they release the stage, before the stage's next load or after the last.
   const int drain = T::kBiasGrad && p.ds_workspace != 0 ? T::kStages : 0;
   PipelineState<T::kStages> st;
-  for (int m = tiles.first; m < tiles.end + drain; ++m, st.advance()) {
-    const int held = m - T::kStages;  // the query tile this stage last held
-    if (m < tiles.end || held >= tiles.first) {
+  for (int i = 0; i < sweep.count + drain; ++i, st.advance()) {
+    const int held = i - T::kStages;  // the sweep's tile that this stage last held
+    if (i < sweep.count || held >= 0) {
       Barrier::wait(&ss.q_empty[st.stage], st.phase ^ 1);
     }
     if constexpr (T::kBiasGrad) {
-      if (drain != 0 && held >= tiles.first) {
-        store_ds_tile<T>(p, ss, s, st.stage, held, n_block, head);
+      if (drain != 0 && held >= 0) {
+        store_ds_tile<T>(p, ss, s, st.stage, sweep.tile(held), n_block, head);
       }
     }
-    if (m >= tiles.end) {
+    if (i >= sweep.count) {
       continue;
     }
+    const int m = sweep.tile(i);
     const uint32_t bias_bytes = !T::kBias ? 0 : p.bias_row_step ? T::kBytesBias : T::kBytesBiasRow;
     TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], 2 * T::kBytesQ + bias_bytes);
     CUTE_UNROLL
@@ -160,16 +210,15 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
 
 // The dQ writer of consumer warpgroup `warpgroup`, one thread: adds the piece of a query tile's
 // dQ that the warpgroup stages (its part or row tile of every query tile, or taking turns every
-// other tile's whole dQ) to the accumulator, then frees the staging buffer. With semaphores the key tiles of a query tile add
-// in a fixed order, from the last one that sees it down to the first (the key tiles that see a
-// query tile are visible_key_tiles of its rows, one unbroken range, the dual of
-// visiting_query_tiles): the CTAs run
-// from the last key tile first, and a later key tile starts its sweep no later, so in steady
-// state under a causal mask nobody waits.
+// other tile's whole dQ) to the accumulator, then frees the staging buffer. With semaphores the
+// key tiles of a query tile add in a fixed order (dq_turn): from the last one that sees it down to
+// the first, where the CTAs run from the last key tile first and a later key tile starts its
+// sweep no later, so that in steady state under a causal mask nobody waits; or, on a staggered
+// sweep, in the order the key tiles reach it.
 template <class T>
 __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
                                          int warpgroup, int n_block, int head) {
-  const TileRange tiles = query_tiles<T>(p, s, n_block);
+  const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   const int piece = T::kDqAlternate ? 0 : warpgroup;  // (row tile, part) of a query tile's dQ
   const int part = piece % T::kDqParts, row_tile = piece / T::kDqParts;
   float* const accum = reinterpret_cast<float*>(p.dq_accum) + s.dq_accum_row(p, head) * T::kDim +
@@ -179,17 +228,15 @@ __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::S
                                               : reinterpret_cast<int*>(p.dq_semaphore) +
                                                     semaphore_tiles * T::kConsumerWarpgroups + piece;
   const auto vis = visibility_of<T>(p, s);
-  const int n_tiles = ceil_div(s.seqlen_k, T::kBlockN);
   const uint32_t staged = cute::cast_smem_ptr_to_uint(ss.dq + warpgroup * T::DqLayout::kPartFloats);
   constexpr int kStep = T::kDqAlternate ? T::kConsumerWarpgroups : 1;
   uint32_t phase = 0;
-  for (int m = tiles.first + (T::kDqAlternate ? warpgroup : 0); m < tiles.end; m += kStep, phase ^= 1) {
+  for (int i = T::kDqAlternate ? warpgroup : 0; i < sweep.count; i += kStep, phase ^= 1) {
+    const int m = sweep.tile(i);
     Barrier::wait(&ss.dq_full[warpgroup], phase);
     int* const semaphore = semaphores == nullptr ? nullptr : semaphores + m * T::kConsumerWarpgroups;
     if (semaphore != nullptr) {
-      const int row0 = m * T::kBlockM;
-      const int n_last = visible_key_tiles<T::kBlockN>(vis, row0, row0 + T::kBlockM, n_tiles).end - 1;
-      wait_for_turn(semaphore, n_last - n_block);
+      wait_for_turn(semaphore, dq_turn<T>(sweep, vis, s, m, n_block));
     }
     bulk_reduce_add(accum + int64_t(m) * T::kDqRowTiles * T::DqLayout::kTileFloats, staged, T::kBytesDqPart);
     cute::tma_store_arrive();
@@ -223,13 +270,13 @@ __device__ __forceinline__ DbiasShare dbias_share(HopperBwdParams const& p, int 
 template <class T>
 __device__ __forceinline__ void pass_dbias_turns(HopperBwdParams const& p, typename T::SharedStorage& ss,
                                                  Sequence const& s, int n_block, int head) {
-  const TileRange tiles = query_tiles<T>(p, s, n_block);
+  const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   const DbiasShare share = dbias_share(p, s.batch, head);
   const int64_t tiles_q = ceil_div(p.seqlen_q, T::kBlockM), tiles_k = ceil_div(p.seqlen_k, T::kBlockN);
   int* const counts = reinterpret_cast<int*>(p.dbias_semaphore) + (share.slice * tiles_q) * tiles_k + n_block;
   uint32_t phase = 0;
-  for (int m = tiles.first; m < tiles.end; ++m, phase ^= 1) {
-    int* const count = counts + m * tiles_k;
+  for (int i = 0; i < sweep.count; ++i, phase ^= 1) {
+    int* const count = counts + sweep.tile(i) * tiles_k;
     wait_for_count(count, share.member);
     Barrier::arrive(&ss.dbias_turn);
     Barrier::wait(&ss.dbias_done, phase);
@@ -311,7 +358,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   Tensor tdKrdS = make_tensor(ds_regs.data(), acc_as_operand_a(ds_regs.layout()));
 
   const auto vis = visibility_of<T>(p, s);
-  const TileRange tiles = query_tiles<T>(p, s, n_block);
+  const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   const int key0 = n_block * T::kBlockN;
   [[maybe_unused]] const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores
   [[maybe_unused]] const float inv_scale_log2 = 1.f / p.scale_log2;  // softcap_slope's
@@ -346,9 +393,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   clear(acc_dk);
   clear(acc_dv);
   float sink_share = 0.f;  // dSink: this thread's share of the CTA's sum of p_sink * P * dP
-  if (tiles.first < tiles.end) {
+  if (sweep.count > 0) {
     float first_stats[kStatSlots];
-    load_stats(first_stats, tiles.first);
+    load_stats(first_stats, sweep.tile(0));
     store_stats(ss.stats[0], first_stats);
   }
   named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
@@ -431,12 +478,13 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   [[maybe_unused]] auto ds_plane = [&] { return (int64_t(s.batch) * p.heads_q + head) * p.seqlen_q * ds_ld(); };
 
   PipelineState<T::kStages> st;
-  for (int m = tiles.first, buffer = 0; m < tiles.end; ++m, buffer ^= 1) {
-    const bool has_next = m + 1 < tiles.end;
+  for (int i = 0, buffer = 0; i < sweep.count; ++i, buffer ^= 1) {
+    const int m = sweep.tile(i);
+    const bool has_next = i + 1 < sweep.count;
     // This thread's share of the next tile's stats, stored once this tile's are read (before the barrier).
     float next_stats[kStatSlots];
     if (has_next) {
-      load_stats(next_stats, m + 1);
+      load_stats(next_stats, sweep.tile(i + 1));
     }
     typename T::RowStats const& stats = ss.stats[buffer];
     const int row0 = m * T::kBlockM;
@@ -554,7 +602,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         float* const plane = reinterpret_cast<float*>(p.dbias_sum) +
                              int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ld;
         cutlass::NumericArrayConverter<float, Element, 2> convert;
-        Barrier::wait(&ss.dbias_turn, (m - tiles.first) % 2);  // a turn per tile (pass_dbias_turns)
+        Barrier::wait(&ss.dbias_turn, i % 2);  // a turn per tile (pass_dbias_turns)
         for_rows_of_transposed(ds_regs, cS, [&](int row, int key, uint32_t keys) {
           row += row0;
           key += key0;
@@ -582,7 +630,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
 
     // This warpgroup's dQ of the tile (taking turns: every other tile's). Each branch waits for
     // its own GEMMs: accumulators of a GEMM in flight must not meet at a join.
-    const bool own_dq = !T::kDqAlternate || (m - tiles.first) % 2 == warpgroup;
+    const bool own_dq = !T::kDqAlternate || i % 2 == warpgroup;
     if (own_dq) {
       Tensor tdQrdS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds), typename T::SmemLayoutdS{}));
       // Kᵀ's descriptors are made per tile from an opaque copy of K's address: hoisted out of the
@@ -617,8 +665,8 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       Element* const plane = reinterpret_cast<Element*>(p.ds_workspace) + ds_plane();
       const int ld = ds_ld();
       constexpr int kPieces = T::kBlockN / 8;
-      const int skipped_before = min(tiles.first * T::kBlockM, s.seqlen_q);
-      const int visited_end = max(skipped_before, min(tiles.end * T::kBlockM, s.seqlen_q));
+      const int skipped_before = min(sweep.first * T::kBlockM, s.seqlen_q);
+      const int visited_end = max(skipped_before, min((sweep.first + sweep.count) * T::kBlockM, s.seqlen_q));
       const int skipped = skipped_before + s.seqlen_q - visited_end;
       for (int i = thread; i < skipped * kPieces; i += T::kConsumerThreads) {
         const int n = i / kPieces;
@@ -690,8 +738,9 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
   if (int(blockIdx.x) >= n_tiles) {
     return;
   }
-  // A deterministic call's dQ order runs from the last key tile down (write_dq): CTAs start in that
-  // order, so that none waits for one not yet running.
+  // A deterministic call's dQ order runs from the last key tile down (dq_turn): CTAs start in that
+  // order, so that none waits for one not yet running (on a staggered sweep, which turns the order,
+  // the runtime ensures that a sequence's key tiles all run at once).
   const int n_block = p.dq_semaphore != 0 ? n_tiles - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
 

@@ -62,7 +62,10 @@ struct HopperBwdParams {
   int32_t window_left, window_right, top_left;  // as in HopperFwdParams
   float softcap_scale;                          // as in HopperFwdParams
   int32_t keys_complete;                        // as in BwdParams
-  int32_t _pad[15];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  // Deterministic: a key tile may start its sweep of the query tiles at its own index
+  // (hopper/bwd_kernel.hpp, QuerySweep), since each sequence's key tiles all run at once.
+  int32_t staggered_sweep;
+  int32_t _pad[14];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln
