@@ -81,9 +81,10 @@ __device__ __forceinline__ TileRange query_tiles(HopperBwdParams const& p, Seque
 // The order in which a key tile visits its query tiles (index i of the sweep -> query tile): from
 // the first, or staggered, from query tile n_block of the range on, wrapping at its end. Staggered
 // where the call allows it (HopperBwdParams::staggered_sweep: deterministic, and the sequence's key
-// tiles all run at once) and every key tile visits the same range, at least as long as the key
-// tiles: the key tiles of a head then start on different query tiles, and a query tile's dQ turns
-// (dq_turn) follow their order of arrival instead of a pipeline as deep as the key tiles.
+// tiles all run at once) and every key tile visits the same range, of at least as many query tiles
+// as there are key tiles: the key tiles of a head then start on different query tiles, and a query
+// tile's dQ turns (dq_turn) follow their order of arrival instead of a pipeline as deep as the key
+// tiles.
 struct QuerySweep {
   int first, count;
   bool staggered;
@@ -530,19 +531,19 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       acc_s(i) = prob;
     }
     p_regs = convert_fragment<Element>(acc_s);
-    Element* const p_tile = ss.ds + 2 * T::kElemsdS;
     if constexpr (T::kSplitColumns) {
-      // dV needs both warpgroups' rows of P^T: stored, then dV runs under dS's arithmetic.
+      // dV needs both warpgroups' rows of P^T (in the buffer after the two dS buffers): stored,
+      // then dV runs under dS's arithmetic.
+      Element* const p_tile = ss.ds + 2 * T::kElemsdS;
       store_fragment<T::kBlockN>(p_regs, cS, cute::cast_smem_ptr_to_uint(p_tile));
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
       Tensor tdVsP = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(p_tile), typename T::SmemLayoutPt{}));
       wgmma_gemm<false>(mma_kv, tdVsP, tdVrdO(_, _, _, st.stage), acc_dv);
-      warpgroup_wait<1>();  // dP^T
     } else {
       wgmma_gemm<false>(mma_kv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
-      warpgroup_wait<1>();  // dP^T
     }
+    warpgroup_wait<1>();  // dP^T (dV's GEMM runs on)
 
     if constexpr (kSinkGrad) {
       // dSink's exact share: rowsum(P * dP) from unrounded P and dP (delta uses the rounded O).
