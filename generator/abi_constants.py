@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashkiln.archs import ARCHS
-from flashkiln.params import BATCH_INNER, DQ_ACCUM_ROW_ALIGN, HEADS_INNER, QUERY_TILES_INNER
+from flashkiln.params import BATCH_INNER, BWD_CONSUMER_WARPGROUPS, DQ_ACCUM_ROW_ALIGN, HEADS_INNER, QUERY_TILES_INNER
 from flashkiln.tma import BOX_COLS
 
 
@@ -21,7 +21,8 @@ class Constant:
 def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constant]]:
     """The constants of a unit whose headers declare them: "unit" at namespace scope, "traits" once
     per variant beside its traits. Every unit includes common/sequence.hpp; the hopper forward
-    also hopper/tile_scheduler.hpp and hopper/fwd_traits.hpp, its backward hopper/bwd_traits.hpp."""
+    also hopper/tile_scheduler.hpp and hopper/fwd_traits.hpp, its backward hopper/bwd_traits.hpp and
+    its postprocess hopper/bwd_dq_tiles.hpp."""
     unit = [Constant("flashkiln::kDqAccumRowAlign", DQ_ACCUM_ROW_ALIGN, "flashkiln.params.DQ_ACCUM_ROW_ALIGN")]
     traits = []
     if family == "hopper" and kernel == "fwd":
@@ -36,6 +37,9 @@ def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constan
             Constant("Traits::kMaxSmemBytes", ARCHS[arch].max_smem_per_block,
                      f"flashkiln.archs.ARCHS['{arch}'].max_smem_per_block"),
         ]
+    if family == "hopper" and kernel in ("bwd", "bwd_post"):
+        unit.append(Constant("flashkiln::hopper::kBwdConsumerWarpgroups", BWD_CONSUMER_WARPGROUPS,
+                             "flashkiln.params.BWD_CONSUMER_WARPGROUPS"))
     if family == "hopper" and kernel == "bwd":
         traits += [
             Constant("Traits::kBoxCols", BOX_COLS, "flashkiln.tma.BOX_COLS"),

@@ -17,7 +17,7 @@ from .bias import KernelBias
 from .calls import BackwardCall, ForwardCall
 from .errors import UnsupportedError
 from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
-from .params import (BATCH_INNER, HEADS_INNER, QUERY_TILES_INNER, BwdParams, HopperBwdParams, HopperFwdParams,
+from .params import (BATCH_INNER, BWD_CONSUMER_WARPGROUPS, HEADS_INNER, QUERY_TILES_INNER, BwdParams, HopperBwdParams, HopperFwdParams,
                      TmaDescriptor)
 from .registry import KernelRegistry
 
@@ -33,9 +33,6 @@ def runs_on(capability: tuple[int, int]) -> str | None:
     return None
 
 
-# The backward's consumer warpgroups (kBwdConsumerWarpgroups, hopper/bwd_dq_tiles.hpp): a
-# deterministic call's dQ semaphores count per query tile and warpgroup.
-BWD_CONSUMER_WARPGROUPS = 2
 # Rows of one TMA store of O: each consumer warpgroup writes its own 64 rows.
 _O_BOX_ROWS = 64
 
@@ -152,6 +149,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     pre = registry.find(call.kernel_request("bwd_pre", portable_family.NAME), *target.limits)
     post = registry.find(call.kernel_request("bwd_post", NAME), *target.limits)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
+    key_tiles = ceil_div(sk, tile_n)  # the grid's, of the longest sequence
     maps = {"tma_q": (q, tile_m), "tma_k": (k, tile_n), "tma_v": (v, tile_n), "tma_do": (call.dout, tile_m)}
     encoded = {name: tma.encode(t, rows) for name, (t, rows) in maps.items()}  # UnsupportedError first
     bias_map = tma.encode_bias(bias.tensor, tile_m) if bias is not None else tma.BiasMap.none()
@@ -171,7 +169,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     elif reduction == bias_mod.SUM:
         sum_shape = bias_mod.sum_shape(bias)
         scratch.take(reduction, sum_shape, f32, zeroed=True)
-        scratch.take("dbias_semaphore", (sum_shape[0] * sum_shape[1], ceil_div(sq, tile_m), ceil_div(sk, tile_n)),
+        scratch.take("dbias_semaphore", (sum_shape[0] * sum_shape[1], ceil_div(sq, tile_m), key_tiles),
                      torch.int32, zeroed=True)
     scratch.take("delta", (layout_batches, hq, shape.total_q), f32)
     scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d), f32)  # zeroed by the preprocess
@@ -181,7 +179,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     else:
         scratch.absent("dq_semaphore")
     if call.sink_parts:  # zeros: the CTAs past a shorter packed sequence's key tiles write nothing
-        scratch.take("dsink_parts", (b, hq, ceil_div(sk, tile_n)), f32, zeroed=packed)
+        scratch.take("dsink_parts", (b, hq, key_tiles), f32, zeroed=packed)
     else:
         scratch.absent("dsink_parts")
     if hq != hkv:
@@ -201,14 +199,14 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), **scores,
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step,
         bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step, tma_dbias=dbias_map,
-        keys_complete=int(call.keys_complete), staggered_sweep=int(staggered_sweep(call, ceil_div(sk, tile_n), target)))
+        keys_complete=int(call.keys_complete), staggered_sweep=int(staggered_sweep(call, key_tiles, target)))
     tensors = {**call.tensors(), **scratch.tensors}
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {}),
              **({"tma_dbias": bias_mod.STORE} if reduction == bias_mod.STORE else {})}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
     launches = [
         KernelLaunch.planned(pre, (ceil_div(sq_rounded, pre.descriptor["tile_m"]), hq, b), rows, tensors),
-        KernelLaunch.planned(main, (ceil_div(sk, tile_n), hq, b), params, tensors, tensor_maps),
+        KernelLaunch.planned(main, (key_tiles, hq, b), params, tensors, tensor_maps),
         KernelLaunch.planned(post, (ceil_div(sq, post.descriptor["tile_m"]), hq, b), rows, tensors),
     ]
     return BackwardLaunches(launches, route)

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 # unguarded: the mirror of kDqAccumRowAlign in templates/include/flashkiln/common/sequence.hpp.
 DQ_ACCUM_ROW_ALIGN = 128
 
+# The hopper backward main kernel's consumer warpgroups (kBwdConsumerWarpgroups,
+# hopper/bwd_dq_tiles.hpp): its CTA's threads, its dQ parts, and a deterministic call's dQ
+# semaphores per query tile.
+BWD_CONSUMER_WARPGROUPS = 2
+
 
 # The hopper forward's work-tile orders, by their innermost dim (HopperFwdParams.tile_order;
 # TileOrder in hopper/tile_scheduler.hpp).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from flashkiln.archs import ARCHS
 from flashkiln.descriptor import VariantDescriptor
+from flashkiln.params import BWD_CONSUMER_WARPGROUPS as _BWD_CONSUMER_WARPGROUPS
 from flashkiln.tma import BOX_COLS as _BOX_COLS  # TMA box width in elements: one 128-byte swizzle atom
 
 from .base import ELEMENT_BYTES, Family, smem_limit_errors
@@ -26,7 +27,6 @@ _ALIGN_SLACK = 1024 - 16
 # The rows of the backward's dQ accumulator tiles (hopper/bwd_dq_tiles.hpp): bwd_post's tile_m,
 # and what the main kernel's query tiles are made of.
 _DQ_TILE_ROWS = 64
-_BWD_CONSUMER_WARPGROUPS = 2  # kBwdConsumerWarpgroups (hopper/bwd_dq_tiles.hpp)
 # Head dims whose dK and dV of 64 keys fit a consumer warpgroup's registers: the warpgroups split
 # a key tile of 128 by keys; at 256 they split one of 64 by columns (hopper/bwd_traits.hpp).
 _BWD_KEY_SPLIT_DIMS = (64, 128)
