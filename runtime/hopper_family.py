@@ -17,8 +17,8 @@ from .bias import KernelBias
 from .calls import BackwardCall, ForwardCall
 from .errors import UnsupportedError
 from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
-from .params import (BATCH_INNER, BWD_CONSUMER_WARPGROUPS, HEADS_INNER, QUERY_TILES_INNER, BwdParams, HopperBwdParams, HopperFwdParams,
-                     TmaDescriptor)
+from .params import (BATCH_INNER, BWD_CONSUMER_WARPGROUPS, HEADS_INNER, QUERY_TILES_INNER, BwdParams,
+                     HopperBwdParams, HopperFwdParams, TmaDescriptor)
 from .registry import KernelRegistry
 
 NAME = "hopper"

@@ -6,8 +6,8 @@ Backward (hopper/bwd_*.hpp): a CTA per key tile of tile_n keys and two consumer 
 split it by keys (tile_n 128, 64 each) or, at d 256, by dK's and dV's columns (tile_n 64), Q and
 dO of tile_m rows streaming through `stages` buffers; its postprocess (bwd_post) reads the main
 kernel's dQ accumulator in 64-row tiles whose column parts follow the head dim alone. The
-preprocess is the portable family's (bwd_pre). The formulas here are static_asserted by the C++ side (threads, shared-memory
-bytes), like the portable family's.
+preprocess is the portable family's (bwd_pre). The formulas here are static_asserted by the C++
+side (threads, shared-memory bytes), like the portable family's.
 """
 from __future__ import annotations
 
@@ -133,11 +133,13 @@ class HopperFamily(Family):
             errors.append(f"d_qk={d.d_qk}: the hopper backward has head dims 64, 128 (dK and dV of 64 keys stay "
                           "in each consumer's registers) and 256 (the consumers split their columns)")
         elif d.d_qk == _BWD_COLUMN_SPLIT_DIM and d.kernel == "bwd":
-            for name, on in (("bias", d.bias != "none"), ("window", d.window), ("softcap", d.softcap)):
+            missing = {"bias": (d.bias != "none", "a bias tile does not fit in shared memory beside the Q/dO stage"),
+                       "window": (d.window, "the specs build no d 256 forward with one either"),
+                       "softcap": (d.softcap, "the specs build no d 256 forward with one either")}
+            for name, (on, why) in missing.items():
                 if on:
                     errors.append(f"{name} at d_qk={d.d_qk}: the hopper backward of split columns has no {name} "
-                                  "yet (its dBias sums assume a consumer warpgroup per key); the portable "
-                                  "backward runs it")
+                                  f"yet ({why}); the portable backward runs it")
         if d.kernel == "bwd_post" and d.causal != "none":
             errors.append(f"causal={d.causal}: bwd_post does not mask; list it with causal: [none]")
         return errors
