@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
 
 namespace flashkiln {
 
@@ -27,12 +28,30 @@ __device__ __forceinline__ void cap_scores(TensorS&& s, float softcap_scale) {
 }
 
 // dS's factor of one score from its probability P = exp2(t * scale_log2 - lse_log2), t the capped
-// score: the backwards keep P where t was (in the accumulator), so t is read back from P, which
-// costs no registers; P = 0 (a hidden key, or one too unlikely to count) gives 0.
+// score, where a backward keeps P where t was (in the accumulator): reading t back from P costs no
+// registers, but a second special-function op per score beside the exponential. P = 0 (a hidden
+// key, or one too unlikely to count) gives 0.
 __device__ __forceinline__ float softcap_slope(float prob, float lse_log2, float inv_scale_log2,
                                                float softcap_scale) {
   const float t = (__log2f(prob) + lse_log2) * inv_scale_log2;
   return prob > 0.f ? fmaxf(fmaf(-t, t, 1.f), 0.f) * softcap_scale : 0.f;
+}
+
+// The cap's slopes at capped scores t, 1 - t^2, in half precision (relative error 2^-11, below the
+// bf16 rounding of dS they scale), for a backward with the registers to keep them from the cap to
+// dS: half those of t, and no special-function op (softcap_slope's logarithm).
+template <class TensorT, class TensorSlope>
+__device__ __forceinline__ void softcap_slopes(TensorT const& t, TensorSlope& slopes) {
+  cutlass::NumericArrayConverter<cutlass::half_t, float, 2> to_half;
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(t); i += 2) {
+    cutlass::Array<float, 2> pair;
+    pair[0] = fmaxf(fmaf(-t(i), t(i), 1.f), 0.f);
+    pair[1] = fmaxf(fmaf(-t(i + 1), t(i + 1), 1.f), 0.f);
+    const auto halves = to_half(pair);
+    slopes(i) = halves[0];
+    slopes(i + 1) = halves[1];
+  }
 }
 
 }  // namespace flashkiln

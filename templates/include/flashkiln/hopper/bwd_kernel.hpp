@@ -502,8 +502,13 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     wgmma_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.stage), acc_s);
     wgmma_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.stage), acc_dp);
     warpgroup_wait<1>();  // S^T
+    // A softcap's slope per score, for dS (common/softcap.hpp); unused, it holds no registers.
+    auto slopes = make_fragment_like<cutlass::half_t>(acc_s);
     if constexpr (T::kSoftcap) {
       cap_scores(acc_s, p.softcap_scale);
+      if constexpr (T::kSoftcapSlopesKept) {
+        softcap_slopes(acc_s, slopes);
+      }
     }
     if constexpr (T::kBias) {
       const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias);
@@ -560,7 +565,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     for (int i = 0; i < size(acc_dp); ++i) {
       const int row = get<1>(cS(i));
       acc_dp(i) = acc_s(i) * (acc_dp(i) - stats.delta[row]);
-      if constexpr (T::kSoftcap) {
+      if constexpr (T::kSoftcapSlopesKept) {
+        acc_dp(i) *= float(slopes(i)) * p.softcap_scale;
+      } else if constexpr (T::kSoftcap) {
         acc_dp(i) *= softcap_slope(acc_s(i), stats.lse_log2[row], inv_scale_log2, p.softcap_scale);
       }
     }

@@ -58,6 +58,11 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");
+  // A softcap's slopes stay in registers from the cap to dS (common/softcap.hpp) where the dK and
+  // dV accumulators leave room for them (d 64); at d 128's 128 registers of them they spill, and t
+  // is read back from P instead (docs/perf.md, v31).
+  static constexpr int kDkDvRegisters = 2 * (kBlockN / kSdPWarpgroupsM) * (kDim / kSdPWarpgroupsN) / 128;
+  static constexpr bool kSoftcapSlopesKept = kSoftcap_ && kDkDvRegisters <= 64;
   static constexpr int kBoxCols = 64;  // TMA boxes: one 128-byte swizzle atom wide
 
   static_assert(kDim % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
