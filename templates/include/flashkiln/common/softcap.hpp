@@ -37,9 +37,10 @@ __device__ __forceinline__ float softcap_slope(float prob, float lse_log2, float
   return prob > 0.f ? fmaxf(fmaf(-t, t, 1.f), 0.f) * softcap_scale : 0.f;
 }
 
-// The cap's slopes at capped scores t, 1 - t^2, in half precision (relative error 2^-11, below the
-// bf16 rounding of dS they scale), for a backward with the registers to keep them from the cap to
-// dS: half those of t, and no special-function op (softcap_slope's logarithm).
+// The cap's slopes at capped scores t, 1 - t^2, in half precision (relative error 2^-11 above
+// 2^-14, absolute below 2^-25 under it: less than the bf16 rounding of the dS they scale), for a
+// backward with the registers to keep them from the cap to dS: half those of t, and no
+// special-function op (softcap_slope's logarithm).
 template <class TensorT, class TensorSlope>
 __device__ __forceinline__ void softcap_slopes(TensorT const& t, TensorSlope& slopes) {
   cutlass::NumericArrayConverter<cutlass::half_t, float, 2> to_half;
