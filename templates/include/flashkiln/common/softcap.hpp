@@ -27,6 +27,10 @@ __device__ __forceinline__ void cap_scores(TensorS&& s, float softcap_scale) {
   }
 }
 
+// The cap's slope at a capped score t, d tanh(x) / dx = 1 - t^2 (clamped at 0 against the fast
+// tanh's rounding): dS's factor over softcap_scale.
+__device__ __forceinline__ float tanh_slope(float t) { return fmaxf(fmaf(-t, t, 1.f), 0.f); }
+
 // dS's factor of one score from its probability P = exp2(t * scale_log2 - lse_log2), t the capped
 // score, where a backward keeps P where t was (in the accumulator): reading t back from P costs no
 // registers, but a second special-function op per score beside the exponential. P = 0 (a hidden
@@ -34,7 +38,7 @@ __device__ __forceinline__ void cap_scores(TensorS&& s, float softcap_scale) {
 __device__ __forceinline__ float softcap_slope(float prob, float lse_log2, float inv_scale_log2,
                                                float softcap_scale) {
   const float t = (__log2f(prob) + lse_log2) * inv_scale_log2;
-  return prob > 0.f ? fmaxf(fmaf(-t, t, 1.f), 0.f) * softcap_scale : 0.f;
+  return prob > 0.f ? tanh_slope(t) * softcap_scale : 0.f;
 }
 
 // The cap's slopes at capped scores t, 1 - t^2, in half precision (relative error 2^-11 above
@@ -47,8 +51,8 @@ __device__ __forceinline__ void softcap_slopes(TensorT const& t, TensorSlope& sl
   CUTE_UNROLL
   for (int i = 0; i < cute::size(t); i += 2) {
     cutlass::Array<float, 2> pair;
-    pair[0] = fmaxf(fmaf(-t(i), t(i), 1.f), 0.f);
-    pair[1] = fmaxf(fmaf(-t(i + 1), t(i + 1), 1.f), 0.f);
+    pair[0] = tanh_slope(t(i));
+    pair[1] = tanh_slope(t(i + 1));
     const auto halves = to_half(pair);
     slopes(i) = halves[0];
     slopes(i + 1) = halves[1];
