@@ -29,11 +29,13 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_ROOT / "tests"), str(_ROOT / "bench")]
 import flashkiln  # noqa: E402
 from flashkiln import backward, dq_routes, forward  # noqa: E402
 from flashkiln.params import params_layout  # noqa: E402
 from flashkiln.registry import KernelRegistry  # noqa: E402
+from host_overhead import _AllocateOnly, training_step  # noqa: E402  (bench/ is a folder of scripts)
 from test_backward_api import bwd_descriptor  # noqa: E402  (tests/ holds the fake manifest's helpers)
 from test_planned_calls import backward_plan, forward_plan, qkv  # noqa: E402
 from test_registry import FakeDriver, descriptor, kernel_entry, write_manifest  # noqa: E402
@@ -62,16 +64,6 @@ class _Attend(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         return flashkiln.attention_backward(dout, q, k, v, out, lse)
-
-
-class _AllocateOnly(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v):
-        return torch.empty_like(q)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout, dout, dout
 
 
 def _fake_gpu(directory: Path) -> KernelRegistry:
@@ -119,11 +111,7 @@ def main() -> None:
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
         def step(attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
-            def run() -> None:
-                for t in leaves:
-                    t.grad = None
-                attend(*leaves).backward(dout)
-            return run
+            return training_step(attend, leaves, dout)
 
         _interleaved({
             "attention_forward (hit)": lambda: flashkiln.attention_forward(q, k, v),
