@@ -12,8 +12,14 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
+#include <vector_types.h>
+
+// The built-in variables that the included headers' kernel code names (none of it runs here).
+static uint3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
 
 #include <flashkiln/hopper/bwd_dq_tiles.hpp>
+#include <flashkiln/hopper/fwd_epilogue.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
 
 using namespace cute;
@@ -34,8 +40,8 @@ struct FragmentCoords {
   auto operator()(int i) const { return cute::make_tuple(r0 + 8 * (i / 2 % 2), c0 + i % 2 + 8 * (i / 4)); }
 };
 
-// swizzled_offset, SwizzledPairs and zero_rows against the TMA/wgmma layout of a (kRows, kCols)
-// tile of 2-byte entries in 128-byte swizzled boxes of 64 columns.
+// swizzled_offset, SwizzledPairs, zero_rows and the forward's copy_rows_out against the TMA/wgmma
+// layout of a (kRows, kCols) tile of 2-byte entries in 128-byte swizzled boxes of 64 columns.
 template <int kRows, int kCols>
 void check_swizzled_tile() {
   using Layout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kRows>, Int<kCols>>{}));
@@ -67,6 +73,31 @@ void check_swizzled_tile() {
         uint16_t bits;
         memcpy(&bits, raw_pointer_cast(&tile(r, c)), 2);
         ok &= (bits == 0) == (r >= first);
+      }
+    }
+  }
+  // A packed forward's O: each warpgroup's 64 rows of a staged (kRows, kCols) tile, copied out by
+  // rows through the swizzle (the warpgroup's first box starts at its first row).
+  struct Traits {
+    using Element = Elem;
+    static constexpr int kBoxCols = 64;
+    static constexpr int kDimV = kCols;
+  };
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kCols; ++c) {
+      const uint16_t value = uint16_t(r * kCols + c);
+      memcpy(raw_pointer_cast(&tile(r, c)), &value, 2);
+    }
+  }
+  static uint16_t out[64 * kCols];
+  for (int rows = 0; rows < kRows; rows += 64) {
+    memset(out, 0, sizeof(out));
+    for (int t = 0; t < 128; ++t) {
+      copy_rows_out<Traits>(buffer + rows * 64, kRows * 64, reinterpret_cast<Elem*>(out), kCols, 64, t);
+    }
+    for (int r = 0; r < 64; ++r) {
+      for (int c = 0; c < kCols; ++c) {
+        ok &= out[r * kCols + c] == uint16_t((rows + r) * kCols + c);
       }
     }
   }
