@@ -80,7 +80,7 @@ def _check_grads(dout, q, k, v, causal, repro: str, scale=None, route="atomic", 
 
 # Head dims with a hopper backward: auto takes it there, so the portable family's ordered route runs
 # forced by backend= too.
-HOPPER_DIMS = {(64, 64), (128, 128)}
+HOPPER_DIMS = {(64, 64), (96, 96), (128, 128), (256, 256)}
 ROUTE_CASES = [pytest.param(dims, route, backend, id=f"d{dims[0]}x{dims[1]}-{route}{'-portable' if backend else ''}")
                for dims in HEAD_DIMS for route in ROUTES
                for backend in ((None, "portable") if route == "ordered" and dims in HOPPER_DIMS else (None,))]

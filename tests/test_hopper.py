@@ -46,7 +46,8 @@ def test_default_hopper_specs_cover_the_backward_contract():
     variants = [v.descriptor for v in load_variants(REPO / "specs")
                 if v.descriptor.family == "hopper" and v.descriptor.kernel != "fwd"]
     main = [d for d in variants if d.kernel == "bwd"]
-    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (128, 128), (256, 256)}
+    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (96, 96), (128, 128), (256, 256)}
+    assert {d.bias for d in main if d.d_qk == 96} == {"none", "additive"}  # d 96 in 64-byte swizzled boxes
     # d 256 (the consumers split columns) has no bias yet, but windows and caps (Gemma 2 and 3).
     assert all(d.bias == "none" for d in main if d.d_qk == 256)
     assert {(d.window, d.softcap) for d in main if d.d_qk == 256} == {(False, False), (True, False), (False, True),
@@ -63,7 +64,7 @@ def test_default_hopper_specs_cover_the_backward_contract():
 @pytest.mark.parametrize("overrides, message", [
     ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "serves deterministic calls too"),
     ({"kernel": "bwd", "packed": True, "tile_m": 64}, "sequence bounds at run time"),
-    ({"kernel": "bwd", "d_qk": 192, "d_v": 192, "tile_m": 64}, "head dims 64, 128"),
+    ({"kernel": "bwd", "d_qk": 192, "d_v": 192, "tile_m": 64}, "head dims 64, 96, 128"),
     ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64, "bias": "additive"}, "has no bias yet"),
     ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
     ({"kernel": "bwd_post", "causal": "bottom_right", "tile_m": 64}, "does not mask"),
@@ -111,6 +112,7 @@ def test_backward_query_tiles_per_head_dim():
     tiles = {(d.d_qk, d.bias, d.softcap): d.tile_m for d in (v.descriptor for v in load_variants(REPO / "specs"))
              if d.family == "hopper" and d.kernel == "bwd"}
     assert tiles == {(64, "none", False): 128, (64, "additive", False): 64, (64, "none", True): 64,
+                     (96, "none", False): 64, (96, "additive", False): 64,
                      (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64,
                      (256, "none", False): 64, (256, "none", True): 64}
     d64 = hopper(kernel="bwd", d_qk=64, d_v=64)
@@ -222,13 +224,21 @@ def test_tensor_map_shape_of_bhsd_and_bshd_tensors():
     assert tma.tensor_map_shape(bshd, 64).strides == (3 * 128, 128, 100 * 3 * 128)
 
 
+def test_tensor_map_boxes_are_one_swizzle_atom_of_the_head_dim():
+    # 128-byte boxes where the head dim is a multiple of 64, 64-byte ones at d 96; a bias's keys
+    # (not a head dim) in 128-byte boxes, however many.
+    box = lambda d, **kw: tma.tensor_map_shape(torch.empty(1, 2, 100, d, dtype=torch.float16), 64, **kw).box  # noqa: E731
+    assert [box(d)[0] for d in (64, 96, 128, 192, 256)] == [64, 32, 64, 64, 64]
+    assert box(96, whole_boxes=False)[0] == 64 and box(72, whole_boxes=False) == (64, 64, 1, 1)
+
+
 def test_tensor_map_ignores_strides_of_unit_dims():
     t = torch.empty(1, 1, 100, 64, dtype=torch.bfloat16).as_strided((1, 1, 100, 64), (0, 3, 64, 1))
     assert tma.tensor_map_shape(t, 64).strides == (128, 128 * 100, 128 * 100)
 
 
 @pytest.mark.parametrize("make", [
-    lambda: torch.empty(2, 3, 100, 96, dtype=torch.bfloat16),                           # d not in 64-wide boxes
+    lambda: torch.empty(2, 3, 100, 80, dtype=torch.bfloat16),                           # d not in 32-wide boxes
     lambda: torch.empty(2, 1, 100, 64, dtype=torch.bfloat16).expand(2, 4, 100, 64),     # broadcast heads
     lambda: torch.empty(2, 3, 100, 128, dtype=torch.bfloat16)[..., ::2],                 # strided head dim
 ])

@@ -76,7 +76,7 @@ def _check_both(q, k, v, dout, causal, repro, **kw):
         assert err <= bound, f"{name}: max|hopper - portable| = {err:.3g} exceeds {bound:.3g}\n{repro}"
 
 
-@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("d", (64, 96, 128, 256))
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 def test_sweep_gqa_bf16(sq, sk, causal, d):
@@ -87,7 +87,7 @@ def test_sweep_gqa_bf16(sq, sk, causal, d):
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 1)], ids=["mha", "mqa"])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("d", (64, 96, 128, 256))
 def test_heads_and_fp16(d, causal, hq, hkv):
     seed = seed_of("hopper-bwd-heads", d, causal, hq, hkv)
     q, k, v, dout = _tensors(seed, 3, hq, hkv, 777, 555, d, torch.float16)
@@ -133,6 +133,8 @@ def _auto_family(**kw) -> str:
 @pytest.mark.parametrize("kw, family", [
     ({}, "hopper"),
     ({"d": 64}, "hopper"),
+    ({"d": 96}, "hopper"),  # 64-byte swizzled boxes
+    ({"d": 96, "with_bias": True, "bias_grad": True}, "hopper"),
     ({"d": 256}, "hopper"),
     ({"d": 256, "with_bias": True}, "portable"),  # no hopper variant: a bias at d 256
     ({"deterministic": True}, "hopper"),
@@ -162,7 +164,7 @@ def _deterministic_runs(q, k, v, dout, causal, runs, **kw):
     return first
 
 
-@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("d", (64, 96, 128, 256))
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk,hq,hkv", DETERMINISTIC_SHAPES)
 def test_deterministic_is_bitwise_reproducible(sq, sk, hq, hkv, causal, d):
@@ -194,7 +196,7 @@ def test_deterministic_with_sink_gradient_and_fp16(causal, d):
 BIAS_SHAPES = [f"{b}{h}{q}{k}" for b in "b1" for h in "h1" for q in "q1" for k in "k1"]
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 96, 128))
 @pytest.mark.parametrize("causal", (None, "bottom_right"))
 @pytest.mark.parametrize("shape", BIAS_SHAPES)
 def test_every_bias_shape_with_gqa_and_sinks(shape, causal, d):

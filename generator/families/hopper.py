@@ -28,8 +28,9 @@ _ALIGN_SLACK = 1024 - 16
 # and what the main kernel's query tiles are made of.
 _DQ_TILE_ROWS = 64
 # Head dims whose dK and dV of 64 keys fit a consumer warpgroup's registers: the warpgroups split
-# a key tile of 128 by keys; at 256 they split one of 64 by columns (hopper/bwd_traits.hpp).
-_BWD_KEY_SPLIT_DIMS = (64, 128)
+# a key tile of 128 by keys; at 256 they split one of 64 by columns (hopper/bwd_traits.hpp). d 96
+# lies in 64-byte swizzled boxes (hopper/head_boxes.hpp), the others in 128-byte ones.
+_BWD_KEY_SPLIT_DIMS = (64, 96, 128)
 _BWD_COLUMN_SPLIT_DIM = 256
 
 
@@ -110,11 +111,11 @@ class HopperFamily(Family):
             errors.append("deterministic=true: the forward is deterministic by construction")
         if d.bias_grad and (d.kernel != "bwd" or d.bias == "none"):
             errors.append("bias_grad=true: only the backward's main kernel with a bias writes dBias")
+        if d.kernel != "fwd":
+            return errors + self._bwd_combination_errors(d)
         for name, dim in (("d_qk", d.d_qk), ("d_v", d.d_v)):
             if dim % _BOX_COLS:
                 errors.append(f"{name}={dim}: must be a multiple of {_BOX_COLS} (whole 128-byte swizzle atoms)")
-        if d.kernel != "fwd":
-            return errors + self._bwd_combination_errors(d)
         if d.d_v > d.d_qk:
             errors.append(f"d_v={d.d_v} > d_qk={d.d_qk}: O is staged in Q's shared-memory buffer")
         return errors
@@ -130,8 +131,8 @@ class HopperFamily(Family):
         if d.d_qk != d.d_v:
             errors.append(f"d_qk={d.d_qk}, d_v={d.d_v}: the hopper backward needs equal head dims")
         if d.d_qk not in (*_BWD_KEY_SPLIT_DIMS, _BWD_COLUMN_SPLIT_DIM):
-            errors.append(f"d_qk={d.d_qk}: the hopper backward has head dims 64, 128 (dK and dV of 64 keys stay "
-                          "in each consumer's registers) and 256 (the consumers split their columns)")
+            errors.append(f"d_qk={d.d_qk}: the hopper backward has head dims 64, 96, 128 (dK and dV of 64 keys "
+                          "stay in each consumer's registers) and 256 (the consumers split their columns)")
         elif d.d_qk == _BWD_COLUMN_SPLIT_DIM and d.kernel == "bwd":
             if d.bias != "none":
                 errors.append(f"bias at d_qk={d.d_qk}: the hopper backward of split columns has no bias yet (a bias "

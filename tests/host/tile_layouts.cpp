@@ -66,7 +66,7 @@ void check_swizzled_tile() {
   for (int first = 0; first < kRows; first += 8) {
     memset(buffer, 0xff, sizeof(buffer));
     for (int t = 0; t < 128; ++t) {
-      zero_rows<kRows, kCols>(buffer, first, t);
+      zero_rows<kRows, kCols, 64>(buffer, first, t);
     }
     for (int r = 0; r < kRows; ++r) {
       for (int c = 0; c < kCols; ++c) {
@@ -134,6 +134,7 @@ int main() {
   check_swizzled_tile<128, 128>();
   check_swizzled_tile<64, 256>();
   check_dq_tile<64>();
+  check_dq_tile<96>();
   check_dq_tile<128>();
   check_dq_tile<256>();
   return failures;

@@ -159,10 +159,10 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
   const int key_row = int(s.k_begin) + n_block * T::kBlockN;
   TxBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * T::kBytesK);
   CUTE_UNROLL
-  for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
-    const int offset = c * T::kBlockN * T::kBoxCols;
-    tma_load(&p.tma_k, &ss.kv_full, ss.k + offset, c * T::kBoxCols, key_row, head_kv, entry);
-    tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kBoxCols, key_row, head_kv, entry);
+  for (int c = 0; c < T::kDim / T::kDimBoxCols; ++c) {
+    const int offset = c * T::kBlockN * T::kDimBoxCols;
+    tma_load(&p.tma_k, &ss.kv_full, ss.k + offset, c * T::kDimBoxCols, key_row, head_kv, entry);
+    tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kDimBoxCols, key_row, head_kv, entry);
   }
   const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   // A full bias's dBias: the consumers leave each tile's dS in its stage's bias tile, which this
@@ -186,11 +186,11 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     const uint32_t bias_bytes = !T::kBias ? 0 : p.bias_row_step ? T::kBytesBias : T::kBytesBiasRow;
     TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], 2 * T::kBytesQ + bias_bytes);
     CUTE_UNROLL
-    for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
-      const int offset = st.stage * T::kElemsQ + c * T::kBlockM * T::kBoxCols;
+    for (int c = 0; c < T::kDim / T::kDimBoxCols; ++c) {
+      const int offset = st.stage * T::kElemsQ + c * T::kBlockM * T::kDimBoxCols;
       const int row = int(s.q_begin) + m * T::kBlockM;
-      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + offset, c * T::kBoxCols, row, head, entry);
-      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + offset, c * T::kBoxCols, row, head, entry);
+      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + offset, c * T::kDimBoxCols, row, head, entry);
+      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + offset, c * T::kDimBoxCols, row, head, entry);
     }
     if constexpr (T::kBias) {
       // The bias is (batch, heads, seqlen_q, seqlen_k) per sequence (a packed batch's too); one
@@ -370,8 +370,8 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   // them. Both write the same zeros, so neither can see a value the other has not also written.
   const int wg_barrier = kFirstWarpgroupBarrier + warpgroup;
   auto zero_past_end = [&](Element* a, Element* b, int first, auto rows) {
-    zero_rows<decltype(rows)::value, T::kDim>(a, first, thread % 128);
-    zero_rows<decltype(rows)::value, T::kDim>(b, first, thread % 128);
+    zero_rows<decltype(rows)::value, T::kDim, T::kDimBoxCols>(a, first, thread % 128);
+    zero_rows<decltype(rows)::value, T::kDim, T::kDimBoxCols>(b, first, thread % 128);
     cutlass::arch::fence_view_async_shared();  // generic writes that wgmma reads next
     named_barrier_sync(wg_barrier, 128);
   };

@@ -1,6 +1,7 @@
 // Compile-time shape of one Hopper backward variant. A CTA owns one key tile of kBlockN keys and
 // loops over the query tiles of kBlockM rows that see it, with two consumer warpgroups. Layouts
-// are 128-byte swizzled as TMA writes them and wgmma reads them.
+// are swizzled as TMA writes them and wgmma reads them: the head dim's tiles by head_boxes.hpp
+// (128 bytes, or 64 at d 96), the (rows, keys) tiles of dS, P^T and the bias by 128 bytes.
 //
 // The five GEMMs per query tile:
 //   S^T  = K Q^T     and   dP^T = V dO^T      shared-memory operands;
@@ -24,6 +25,7 @@
 
 #include <flashkiln/common/score_mods.hpp>
 #include <flashkiln/hopper/bwd_dq_tiles.hpp>
+#include <flashkiln/hopper/head_boxes.hpp>
 
 namespace flashkiln::hopper {
 
@@ -63,14 +65,15 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   // is read back from P instead (docs/perf.md, v31).
   static constexpr int kDkDvRegisters = 2 * (kBlockN / kSdPWarpgroupsM) * (kDim / kSdPWarpgroupsN) / 128;
   static constexpr bool kSoftcapSlopesKept = kSoftcap_ && kDkDvRegisters <= 64;
-  static constexpr int kBoxCols = 64;  // TMA boxes: one 128-byte swizzle atom wide
+  static constexpr int kBoxCols = 64;  // TMA boxes of the bias and dBias: one 128-byte swizzle atom wide
+  static constexpr int kDimBoxCols = head_box_cols(kDim);  // TMA boxes of Q, K, V and dO
 
-  static_assert(kDim % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
+  static_assert(kDim % kDimBoxCols == 0, "head dims in whole swizzle atoms");
   static_assert(kSplitColumns || kStages >= 2, "at least a double-buffered Q/dO pipeline");
   // The P^T buffer is rewritten once the next tile's Q lands, which a single stage orders after
   // both warpgroups' dV GEMMs have read it (they release the stage).
   static_assert(!kSplitColumns || kStages == 1, "split columns: one Q/dO stage (shared memory)");
-  static_assert(!kSplitColumns || (kDim % (kConsumerWarpgroups * kBoxCols) == 0 && kBlockM == 64),
+  static_assert(!kSplitColumns || (kDim % (kConsumerWarpgroups * kDimBoxCols) == 0 && kBlockM == 64),
                 "split columns: whole 64-column boxes per warpgroup, 64-row query tiles");
   static_assert(!kSplitColumns || !kBias_, "split columns: dBias's key sums assume a warpgroup per key");
   static_assert(kBlockM <= kConsumerThreads, "a consumer thread per row of a tile's row stats");
@@ -89,7 +92,7 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static constexpr int kDqCols = kDim / kDqParts;  // per warpgroup
   using DqLayout = DqTileLayout<kDim, kDqParts>;
 
-  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns
+  using SmemAtom = HeadSmemAtom<Element, kDim>;  // 8 rows x one box
   // Q and dO: (rows, d, stage); K and V: (keys, d).
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDim>, Int<kStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDim>>{}));
@@ -108,7 +111,8 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
 
   // P^T and dS^T as the A operands of dV and dK where they go through shared memory: (keys, rows),
   // rows contiguous (K-major); the same bytes as SmemLayoutdS.
-  using SmemLayoutPt = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  using SmemLayoutPt =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));
 
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,

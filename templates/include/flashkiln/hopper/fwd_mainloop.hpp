@@ -128,7 +128,7 @@ __device__ __forceinline__ int warpgroup_key_tiles(HopperFwdParams const& p, Wor
 // which the swizzle only permutes within.
 template <class T>
 __device__ __forceinline__ void zero_v_rows(typename T::Element* stage, int first, int thread) {
-  zero_rows<T::kBlockN, T::kDimV>(stage, first, thread % 128);
+  zero_rows<T::kBlockN, T::kDimV, T::kBoxCols>(stage, first, thread % 128);
   cutlass::arch::fence_view_async_shared();  // generic writes that wgmma reads next
   named_barrier_sync(1 + thread / 128, 128);
 }

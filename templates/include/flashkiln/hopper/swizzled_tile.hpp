@@ -64,16 +64,17 @@ __device__ __forceinline__ void bias_tile_into(Acc& acc, Coords const& coords, u
   }
 }
 
-// Zeroes rows [first, kRows) of a (kRows, kCols) tile of 2-byte elements in this layout, in whole
-// 128-byte rows (the swizzle only permutes chunks within a row), spread over the 128 threads of a
-// warpgroup (`thread` counts within it). The caller fences and synchronizes before wgmma reads it.
-template <int kRows, int kCols, class Element>
+// Zeroes rows [first, kRows) of a (kRows, kCols) tile of 2-byte elements in boxes of kBoxCols
+// columns (this layout's 64, or a 64-byte swizzled tile's 32), in whole box rows (a swizzle only
+// permutes the 16-byte chunks within one), spread over the 128 threads of a warpgroup (`thread`
+// counts within it). The caller fences and synchronizes before wgmma reads it.
+template <int kRows, int kCols, int kBoxCols, class Element>
 __device__ __forceinline__ void zero_rows(Element* tile, int first, int thread) {
-  static_assert(sizeof(Element) == 2 && kCols % 64 == 0, "64-column boxes of 2-byte elements");
-  constexpr int kChunksPerRow = 128 / 16;
+  static_assert(sizeof(Element) == 2 && kCols % kBoxCols == 0 && kBoxCols % 8 == 0, "whole boxes of 2-byte elements");
+  constexpr int kChunksPerRow = kBoxCols * 2 / 16;
   CUTE_UNROLL
-  for (int c = 0; c < kCols / 64; ++c) {
-    uint4* box = reinterpret_cast<uint4*>(tile + c * kRows * 64);
+  for (int c = 0; c < kCols / kBoxCols; ++c) {
+    uint4* box = reinterpret_cast<uint4*>(tile + c * kRows * kBoxCols);
     for (int i = first * kChunksPerRow + thread; i < kRows * kChunksPerRow; i += 128) {
       box[i] = make_uint4(0, 0, 0, 0);
     }
