@@ -22,9 +22,13 @@ def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constan
     """The constants of a unit whose headers declare them: "unit" at namespace scope, "traits" once
     per variant beside its traits. Every unit includes common/sequence.hpp; the hopper forward
     also hopper/tile_scheduler.hpp and hopper/fwd_traits.hpp, its backward hopper/bwd_traits.hpp
-    (and with it hopper/head_boxes.hpp) and its postprocess hopper/bwd_dq_tiles.hpp."""
+    (both with hopper/head_boxes.hpp) and its postprocess hopper/bwd_dq_tiles.hpp."""
     unit = [Constant("flashkiln::kDqAccumRowAlign", DQ_ACCUM_ROW_ALIGN, "flashkiln.params.DQ_ACCUM_ROW_ALIGN")]
     traits = []
+    if family == "hopper" and kernel in ("fwd", "bwd"):
+        # The head dims' box rule (hopper/head_boxes.hpp), at every multiple of 32 up to 256.
+        unit += [Constant(f"flashkiln::hopper::head_box_cols({d})", head_box_cols(d), f"flashkiln.tma.head_box_cols({d})")
+                 for d in range(32, 257, 32)]
     if family == "hopper" and kernel == "fwd":
         unit += [
             Constant("int(flashkiln::hopper::kQueryTilesInner)", QUERY_TILES_INNER,
@@ -41,9 +45,6 @@ def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constan
         unit.append(Constant("flashkiln::hopper::kBwdConsumerWarpgroups", BWD_CONSUMER_WARPGROUPS,
                              "flashkiln.params.BWD_CONSUMER_WARPGROUPS"))
     if family == "hopper" and kernel == "bwd":
-        # The head dims' box rule, at every head dim the specs may list (multiples of 32 up to 256).
-        unit += [Constant(f"flashkiln::hopper::head_box_cols({d})", head_box_cols(d), f"flashkiln.tma.head_box_cols({d})")
-                 for d in range(32, 257, 32)]
         traits += [
             Constant("Traits::kBoxCols", BOX_COLS, "flashkiln.tma.BOX_COLS"),
             Constant("Traits::kMaxSmemBytes", ARCHS[arch].max_smem_per_block,

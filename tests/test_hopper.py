@@ -36,7 +36,7 @@ def test_default_hopper_specs_cover_the_forward_contract():
     variants = [v.descriptor for v in load_variants(REPO / "specs")
                 if v.descriptor.family == "hopper" and v.relative_speed == 1 and v.descriptor.kernel == "fwd"]
     assert {d.arch for d in variants} == {"sm_90a"}
-    assert {(d.d_qk, d.d_v) for d in variants} == {(64, 64), (128, 128), (192, 128), (256, 256)}
+    assert {(d.d_qk, d.d_v) for d in variants} == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     assert {d.causal for d in variants} == {"none", "bottom_right"}  # bottom_right runs top-left calls too
     assert {d.dtype for d in variants} == {"fp16", "bf16"}
     assert all(not HOPPER.functional_errors(d) and not HOPPER.tuning_errors(d) for d in variants)
@@ -70,7 +70,6 @@ def test_default_hopper_specs_cover_the_backward_contract():
     ({"kernel": "bwd_post", "causal": "bottom_right", "tile_m": 64}, "does not mask"),
     ({"kernel": "bwd_pre"}, "the hopper family has only"),
     ({"arch": "sm_80"}, "sm_90a only"),
-    ({"d_qk": 96, "d_v": 96}, "multiple of 64"),
     ({"d_qk": 128, "d_v": 256}, "staged in Q"),
 ])
 def test_functional_errors(overrides, message):
@@ -158,7 +157,8 @@ def test_default_specs_give_biased_variants_their_own_tiles():
                 if v.descriptor.family == "hopper" and v.relative_speed == 1 and v.descriptor.kernel == "fwd"]
     biased = {d.d_qk: d.tile_n for d in variants if d.bias == "additive"}
     plain = {d.d_qk: d.tile_n for d in variants if d.bias == "none"}
-    assert biased == {64: 128, 128: 128, 192: 64, 256: 64} and plain == {64: 128, 128: 160, 192: 128, 256: 80}
+    assert biased == {64: 128, 96: 128, 128: 128, 192: 64, 256: 64}
+    assert plain == {64: 128, 96: 128, 128: 160, 192: 128, 256: 80}
 
 
 # -- parameter block -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 from flashkiln.archs import ARCHS
 from flashkiln.descriptor import VariantDescriptor
 from flashkiln.params import BWD_CONSUMER_WARPGROUPS as _BWD_CONSUMER_WARPGROUPS
-from flashkiln.tma import BOX_COLS as _BOX_COLS  # TMA box width in elements: one 128-byte swizzle atom
+from flashkiln.tma import BOX_COLS as _BOX_COLS  # the bias's TMA box width in keys: one 128-byte swizzle atom
 
 from .base import ELEMENT_BYTES, Family, smem_limit_errors
 
@@ -111,11 +111,9 @@ class HopperFamily(Family):
             errors.append("deterministic=true: the forward is deterministic by construction")
         if d.bias_grad and (d.kernel != "bwd" or d.bias == "none"):
             errors.append("bias_grad=true: only the backward's main kernel with a bias writes dBias")
+        # Every head dim of the descriptor (a multiple of 32) is whole boxes of head_box_cols(d).
         if d.kernel != "fwd":
             return errors + self._bwd_combination_errors(d)
-        for name, dim in (("d_qk", d.d_qk), ("d_v", d.d_v)):
-            if dim % _BOX_COLS:
-                errors.append(f"{name}={dim}: must be a multiple of {_BOX_COLS} (whole 128-byte swizzle atoms)")
         if d.d_v > d.d_qk:
             errors.append(f"d_v={d.d_v} > d_qk={d.d_qk}: O is staged in Q's shared-memory buffer")
         return errors

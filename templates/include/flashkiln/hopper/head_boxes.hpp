@@ -1,4 +1,4 @@
-// How the hopper backward lays out a head dim's tiles (Q, K, V, dO) in shared memory: in TMA
+// How the hopper kernels lay out a head dim's tiles (Q, K, V, O, dO) in shared memory: in TMA
 // boxes as wide as the widest swizzle atom that divides the head dim, 128 bytes (64 columns) where
 // it is a multiple of 64, else 64 bytes (32 columns: d 96). Mirrored by runtime/tma.py
 // (head_box_cols), which encodes the tensor maps' boxes and swizzle to match.
