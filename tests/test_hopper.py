@@ -48,8 +48,9 @@ def test_default_hopper_specs_cover_the_backward_contract():
     main = [d for d in variants if d.kernel == "bwd"]
     assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (96, 96), (128, 128), (256, 256)}
     assert {d.bias for d in main if d.d_qk == 96} == {"none", "additive"}  # d 96 in 64-byte swizzled boxes
-    # d 256 (the consumers split columns) has no bias yet, but windows and caps (Gemma 2 and 3).
-    assert all(d.bias == "none" for d in main if d.d_qk == 256)
+    # d 256 (the consumers split columns): a bias with dBias, windows and caps (Gemma 2 and 3).
+    assert {(d.bias, d.bias_grad) for d in main if d.d_qk == 256} == {("none", False), ("additive", False),
+                                                                      ("additive", True)}
     assert {(d.window, d.softcap) for d in main if d.d_qk == 256} == {(False, False), (True, False), (False, True),
                                                                       (True, True)}
     assert {d.causal for d in main} == {"none", "bottom_right"}
@@ -65,7 +66,6 @@ def test_default_hopper_specs_cover_the_backward_contract():
     ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "serves deterministic calls too"),
     ({"kernel": "bwd", "packed": True, "tile_m": 64}, "sequence bounds at run time"),
     ({"kernel": "bwd", "d_qk": 192, "d_v": 192, "tile_m": 64}, "head dims 64, 96, 128"),
-    ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64, "bias": "additive"}, "has no bias yet"),
     ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
     ({"kernel": "bwd_post", "causal": "bottom_right", "tile_m": 64}, "does not mask"),
     ({"kernel": "bwd_pre"}, "the hopper family has only"),
@@ -113,7 +113,7 @@ def test_backward_query_tiles_per_head_dim():
     assert tiles == {(64, "none", False): 128, (64, "additive", False): 64, (64, "none", True): 64,
                      (96, "none", False): 64, (96, "additive", False): 64,
                      (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64,
-                     (256, "none", False): 64, (256, "none", True): 64}
+                     (256, "none", False): 64, (256, "additive", False): 64, (256, "none", True): 64}
     d64 = hopper(kernel="bwd", d_qk=64, d_v=64)
     assert not HOPPER.tuning_errors(d64)
     # K, V; two stages of Q and dO; two dS buffers; each warpgroup's 64-row dQ staging; stats and

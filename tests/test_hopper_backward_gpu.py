@@ -136,7 +136,7 @@ def _auto_family(**kw) -> str:
     ({"d": 96}, "hopper"),  # 64-byte swizzled boxes
     ({"d": 96, "with_bias": True, "bias_grad": True}, "hopper"),
     ({"d": 256}, "hopper"),
-    ({"d": 256, "with_bias": True}, "portable"),  # no hopper variant: a bias at d 256
+    ({"d": 256, "with_bias": True, "bias_grad": True}, "hopper"),  # split columns: dBias's key sums joined
     ({"deterministic": True}, "hopper"),
     ({"with_bias": True}, "hopper"),
     ({"with_bias": True, "bias_grad": True}, "hopper"),  # dBias of a key-varying bias: dS stored
@@ -196,7 +196,7 @@ def test_deterministic_with_sink_gradient_and_fp16(causal, d):
 BIAS_SHAPES = [f"{b}{h}{q}{k}" for b in "b1" for h in "h1" for q in "q1" for k in "k1"]
 
 
-@pytest.mark.parametrize("d", (64, 96, 128))
+@pytest.mark.parametrize("d", (64, 96, 128, 256))
 @pytest.mark.parametrize("causal", (None, "bottom_right"))
 @pytest.mark.parametrize("shape", BIAS_SHAPES)
 def test_every_bias_shape_with_gqa_and_sinks(shape, causal, d):
@@ -227,14 +227,17 @@ def test_a_biased_backward_is_bitwise_reproducible():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("d", (64, 256))
 @pytest.mark.parametrize("shape, causal", [("11qk", None), ("1hqk", "bottom_right"), ("b1qk", None),
                                            ("bh1k", "bottom_right"), ("111k", None)])
-def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal):
+def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal, d):
     """dBias of a bias shared over batch entries, heads or rows comes from the kernel's own sums
     (flashkiln.bias.reduction), not from a dense (B, H, S_q, S_k) dS: the backward's peak memory
-    stays below that dS's size; 20 runs are bitwise equal; the result matches the references."""
-    b, hq, hkv, sq, sk, d = 8, 8, 2, 1024, 1000, 64
-    seed = seed_of("hopper-dbias-reduced", shape, causal)
+    stays below that dS's size; 20 runs are bitwise equal; the result matches the references. At
+    d 256 both consumer warpgroups hold every key (split columns), and a row-broadcast bias's key
+    sums join before one thread adds them."""
+    b, hq, hkv, sq, sk = 8, 8, 2, 1024, 1000
+    seed = seed_of("hopper-dbias-reduced", shape, causal, d)
     q, k, v, dout = _tensors(seed, b, hq, hkv, sq, sk, d, torch.bfloat16)
     sizes = dict(zip("bhqk", (b, hq, sq, sk)), **{"1": 1})
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -256,4 +259,4 @@ def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal):
     refs = (attention_grad_reference(q, k, v, dout, causal, None, dtype, bias=bias) for dtype in (torch.float32,
                                                                                                  q.dtype))
     check_grads_against(first, *refs, _repro("test_a_broadcast_dbias_is_reduced_in_the_kernel", shape=shape,
-                                             causal=causal))
+                                             causal=causal, d=d))

@@ -131,11 +131,6 @@ class HopperFamily(Family):
         if d.d_qk not in (*_BWD_KEY_SPLIT_DIMS, _BWD_COLUMN_SPLIT_DIM):
             errors.append(f"d_qk={d.d_qk}: the hopper backward has head dims 64, 96, 128 (dK and dV of 64 keys "
                           "stay in each consumer's registers) and 256 (the consumers split their columns)")
-        elif d.d_qk == _BWD_COLUMN_SPLIT_DIM and d.kernel == "bwd":
-            if d.bias != "none":
-                errors.append(f"bias at d_qk={d.d_qk}: the hopper backward of split columns has no bias yet (a bias "
-                              "tile does not fit in shared memory beside the Q/dO stage); the portable backward "
-                              "runs it")
         if d.kernel == "bwd_post" and d.causal != "none":
             errors.append(f"causal={d.causal}: bwd_post does not mask; list it with causal: [none]")
         return errors

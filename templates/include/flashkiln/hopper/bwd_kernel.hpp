@@ -513,9 +513,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     if constexpr (T::kBias) {
       const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias);
       if (p.bias_row_step) {
-        bias_transposed_into<T::kBlockM, false, Element>(acc_s, cS, tile, inv_scale);
+        bias_transposed_into<T::kBlockM, kWarpgroupRows, false, Element>(acc_s, cS, tile, inv_scale);
       } else {
-        bias_transposed_into<T::kBlockM, true, Element>(acc_s, cS, tile, inv_scale);
+        bias_transposed_into<T::kBlockM, kWarpgroupRows, true, Element>(acc_s, cS, tile, inv_scale);
       }
     }
 
@@ -575,7 +575,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       if (p.dbias_columns != 0) {
         // The tile's sums over its rows of this thread's two keys, then over the lanes that hold
         // the same keys (lane / 4), added by one of them: the adds of an address come from one
-        // thread in tile order, so the sums are deterministic.
+        // thread in tile order, so the sums are deterministic. Where the warpgroups split the
+        // rows, both hold every key: the second's sums join the first's through the tile's dS
+        // buffer (free until its dS is stored), and the first adds them.
         float sums[2] = {0.f, 0.f};
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dp); ++i) {
@@ -585,8 +587,25 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         for (int g = 0; g < 2; ++g) {
           sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 1);
           sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 2);
+        }
+        const bool adder = thread % 4 == 0 && (!T::kSplitColumns || warpgroup == 0);
+        if constexpr (T::kSplitColumns) {
+          float* const key_sums = reinterpret_cast<float*>(ss.ds + buffer * T::kElemsdS);  // per key of the tile
+          if (warpgroup == 1 && thread % 4 == 0) {
+            key_sums[get<0>(cS(0))] = sums[0];
+            key_sums[get<0>(cS(0)) + 8] = sums[1];
+          }
+          named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+          if (adder) {
+            sums[0] += key_sums[get<0>(cS(0))];
+            sums[1] += key_sums[get<0>(cS(0)) + 8];
+          }
+          named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);  // read before dS is stored there
+        }
+        CUTE_UNROLL
+        for (int g = 0; g < 2; ++g) {
           const int key = key0 + get<0>(cS(0)) + 8 * g;  // this thread's keys: its first and 8 on
-          if (thread % 4 == 0 && key < s.seqlen_k) {
+          if (adder && key < s.seqlen_k) {
             const int64_t row = (int64_t(s.batch) * p.heads_q + head) * p.seqlen_k;
             atomicAdd(reinterpret_cast<float*>(p.dbias_columns) + row + key, sums[g]);
           }

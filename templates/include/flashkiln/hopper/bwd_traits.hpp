@@ -17,7 +17,8 @@
 //   by columns (kBlockN = 64, d = 256, where 64 keys' dK and dV of all 256 columns exceed a
 //     warpgroup's registers): each computes S^T and dP^T of the 64 keys for half the rows, P^T
 //     and dS^T go through shared memory, and each keeps half of dK's and dV's columns.
-// With kBias, a (kBlockM, kBlockN) tile of the additive bias rides in every Q/dO stage.
+// With kBias, a (kBlockM, kBlockN) tile of the additive bias rides in every Q/dO stage (split
+// columns: each warpgroup reads its rows of it).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -75,7 +76,6 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static_assert(!kSplitColumns || kStages == 1, "split columns: one Q/dO stage (shared memory)");
   static_assert(!kSplitColumns || (kDim % (kConsumerWarpgroups * kDimBoxCols) == 0 && kBlockM == 64),
                 "split columns: whole 64-column boxes per warpgroup, 64-row query tiles");
-  static_assert(!kSplitColumns || !kBias_, "split columns: dBias's key sums assume a warpgroup per key");
   static_assert(kBlockM <= kConsumerThreads, "a consumer thread per row of a tile's row stats");
 
   // A query tile's dQ in the accumulator's 64-row tiles, of kDqParts column parts each: a
