@@ -26,9 +26,11 @@ def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constan
     unit = [Constant("flashkiln::kDqAccumRowAlign", DQ_ACCUM_ROW_ALIGN, "flashkiln.params.DQ_ACCUM_ROW_ALIGN")]
     traits = []
     if family == "hopper" and kernel in ("fwd", "bwd"):
-        # The head dims' box rule (hopper/head_boxes.hpp), at every multiple of 32 up to 256.
-        unit += [Constant(f"flashkiln::hopper::head_box_cols({d})", head_box_cols(d), f"flashkiln.tma.head_box_cols({d})")
-                 for d in range(32, 257, 32)]
+        # The head dims' box rule (hopper/head_boxes.hpp), at every multiple of 32 up to 256, whole
+        # or split between the backward's warpgroups.
+        unit += [Constant(f"flashkiln::hopper::head_box_cols({d}, {parts})", head_box_cols(d, parts),
+                          f"flashkiln.tma.head_box_cols({d}, {parts})")
+                 for d in range(32, 257, 32) for parts in (1, BWD_CONSUMER_WARPGROUPS)]
     if family == "hopper" and kernel == "fwd":
         unit += [
             Constant("int(flashkiln::hopper::kQueryTilesInner)", QUERY_TILES_INNER,

@@ -2,8 +2,8 @@
 
 CuTe's host-side TMA helpers are not available under NVRTC, so the runtime builds the maps: a
 (B, H, S, d) tensor with a contiguous head dim becomes a 4-d map (d, S, H, B) with byte strides,
-read and written in boxes of `head_box_cols(d)` columns (one swizzle atom: 128 bytes, or 64 where
-d is not a multiple of 64) by `rows` rows. Rows past S are zero-filled on loads and dropped on
+read and written in boxes of `head_box_cols(d, parts)` columns (one swizzle atom: 128 bytes, or 64
+where the columns each consumer warpgroup takes are not a multiple of 64) by `rows` rows. Rows past S are zero-filled on loads and dropped on
 stores, so tiles never reach into the next head. A bias (B, H_q, S_q, S_k) maps the same way, its
 keys as the columns, in boxes of 64.
 """
@@ -32,16 +32,16 @@ class TensorMapShape:
     box: tuple[int, int, int, int]      # (columns, rows, 1, 1), one swizzle atom wide
 
 
-def tensor_map_shape(t: torch.Tensor, rows: int, whole_boxes: bool = True) -> TensorMapShape:
+def tensor_map_shape(t: torch.Tensor, rows: int, whole_boxes: bool = True, parts: int = 1) -> TensorMapShape:
     """The map's shape for `t` and a box of `rows` rows; UnsupportedError where TMA cannot read `t`
     (the caller then falls back to a kernel that reads through plain pointers). `whole_boxes`: the
-    last dim is a head dim, read in whole boxes of head_box_cols(d) columns; else (a bias's keys)
-    boxes of BOX_COLS, TMA zero-filling past the last column."""
+    last dim is a head dim, read in whole boxes of head_box_cols(d, parts) columns; else (a bias's
+    keys) boxes of BOX_COLS, TMA zero-filling past the last column."""
     if t.dim() != 4 or t.stride(3) != 1:
         raise UnsupportedError(f"TMA needs a 4-d tensor with a contiguous last dim, got strides {t.stride()}")
     b, h, s, d = t.shape
     elem = t.element_size()
-    cols = head_box_cols(d) if whole_boxes else BOX_COLS
+    cols = head_box_cols(d, parts) if whole_boxes else BOX_COLS
     if (whole_boxes and d % cols) or not 0 < rows <= _MAX_BOX_ROWS:
         raise UnsupportedError(f"TMA boxes of {cols} columns x {rows} rows do not fit head dim {d}")
     if t.data_ptr() % 16:
@@ -58,16 +58,18 @@ def tensor_map_shape(t: torch.Tensor, rows: int, whole_boxes: bool = True) -> Te
     return TensorMapShape(t.data_ptr(), (d, s, h, b), tuple(strides), (cols, rows, 1, 1))
 
 
-def head_box_cols(d: int) -> int:
-    """Columns per box of a head dim of d (2-byte elements): 64 (a 128-byte swizzle atom) where d is
-    a multiple of 64, else 32 (a 64-byte one). Mirrors hopper/head_boxes.hpp."""
-    return BOX_COLS if d % BOX_COLS == 0 else BOX_COLS // 2
+def head_box_cols(d: int, parts: int = 1) -> int:
+    """Columns per box of a head dim of d (2-byte elements) whose columns `parts` consumer warpgroups
+    split, each taking whole boxes: 64 (a 128-byte swizzle atom) where d / parts is a multiple of 64,
+    else 32 (a 64-byte one). Mirrors hopper/head_boxes.hpp."""
+    return BOX_COLS if d // parts % BOX_COLS == 0 else BOX_COLS // 2
 
 
-def encode(t: torch.Tensor, rows: int, whole_boxes: bool = True) -> TmaDescriptor:
-    """The CUtensorMap of `t` (fp16/bf16) for boxes of `rows` rows, swizzled across a box's width."""
+def encode(t: torch.Tensor, rows: int, whole_boxes: bool = True, parts: int = 1) -> TmaDescriptor:
+    """The CUtensorMap of `t` (fp16/bf16) for boxes of `rows` rows, swizzled across a box's width
+    (`parts`: the consumer warpgroups that split a head dim's columns, head_box_cols)."""
     descriptor = TmaDescriptor()
-    descriptor.words[:] = _encoded(tensor_map_shape(t, rows, whole_boxes), t.dtype)
+    descriptor.words[:] = _encoded(tensor_map_shape(t, rows, whole_boxes, parts), t.dtype)
     return descriptor
 
 

@@ -46,7 +46,7 @@ def test_default_hopper_specs_cover_the_backward_contract():
     variants = [v.descriptor for v in load_variants(REPO / "specs")
                 if v.descriptor.family == "hopper" and v.descriptor.kernel != "fwd"]
     main = [d for d in variants if d.kernel == "bwd"]
-    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (96, 96), (128, 128), (256, 256)}
+    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     assert {d.bias for d in main if d.d_qk == 96} == {"none", "additive"}  # d 96 in 64-byte swizzled boxes
     # d 256 (the consumers split columns): a bias with dBias, windows and caps (Gemma 2 and 3).
     assert {(d.bias, d.bias_grad) for d in main if d.d_qk == 256} == {("none", False), ("additive", False),
@@ -66,7 +66,7 @@ def test_default_hopper_specs_cover_the_backward_contract():
     ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "serves deterministic calls too"),
     ({"kernel": "bwd", "packed": True, "tile_m": 64}, "sequence bounds at run time"),
     ({"kernel": "bwd", "d_qk": 192, "d_v": 192, "tile_m": 64}, "head dims 64, 96, 128"),
-    ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
+    ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "192/128 and 256"),
     ({"kernel": "bwd_post", "causal": "bottom_right", "tile_m": 64}, "does not mask"),
     ({"kernel": "bwd_pre"}, "the hopper family has only"),
     ({"arch": "sm_80"}, "sm_90a only"),
@@ -113,6 +113,7 @@ def test_backward_query_tiles_per_head_dim():
     assert tiles == {(64, "none", False): 128, (64, "additive", False): 64, (64, "none", True): 64,
                      (96, "none", False): 64, (96, "additive", False): 64,
                      (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64,
+                     (192, "none", False): 64, (192, "additive", False): 64,
                      (256, "none", False): 64, (256, "additive", False): 64, (256, "none", True): 64}
     d64 = hopper(kernel="bwd", d_qk=64, d_v=64)
     assert not HOPPER.tuning_errors(d64)
@@ -124,6 +125,10 @@ def test_backward_query_tiles_per_head_dim():
     d256 = hopper(kernel="bwd", d_qk=256, d_v=256, tile_m=64, tile_n=64, stages=1)
     assert not HOPPER.tuning_errors(d256)
     assert HOPPER.smem_bytes(d256) == 2 * (2 * 64 * 256 + 2 * 64 * 256 + 3 * 64 * 64) + 4 * 2 * 64 * 128 + 2048 + 1008
+    # d 192 / 128, split columns too: K and Q of 192 columns, V and dO of 128, dQ in two 96-column parts.
+    d192 = hopper(kernel="bwd", d_qk=192, d_v=128, tile_m=64, tile_n=64, stages=1)
+    assert not HOPPER.tuning_errors(d192) and HOPPER.splits_columns(d192)
+    assert HOPPER.smem_bytes(d192) == 2 * (64 * 320 + 64 * 320 + 3 * 64 * 64) + 4 * 2 * 64 * 96 + 2048 + 1008
 
 
 def test_smem_formula():

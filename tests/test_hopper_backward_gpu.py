@@ -29,10 +29,21 @@ def _needs_hopper():
         pytest.skip("the hopper family runs on compute capability 9.0")
 
 
-def _tensors(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, d: int, dtype: torch.dtype):
+# Every head dim (d_qk, d_v) of specs/hopper.yaml's backward: split by keys (64, 96, 128) or by
+# columns (192/128, 256).
+DIMS = (64, 96, 128, (192, 128), 256)
+
+
+def _dims_id(d) -> str:
+    return f"d{d[0]}x{d[1]}" if isinstance(d, tuple) else f"d{d}"
+
+
+def _tensors(seed: int, b: int, hq: int, hkv: int, sq: int, sk: int, d: int | tuple[int, int], dtype: torch.dtype):
+    """q, k, v, dout; `d`: one head dim, or (d_qk, d_v)."""
+    d_qk, d_v = d if isinstance(d, tuple) else (d, d)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    make = lambda h, s: torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
-    return make(hq, sq), make(hkv, sk), make(hkv, sk), make(hq, sq)
+    make = lambda h, s, dim: torch.randn(b, h, s, dim, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
+    return make(hq, sq, d_qk), make(hkv, sk, d_qk), make(hkv, sk, d_v), make(hq, sq, d_v)
 
 
 def _backward(dout, q, k, v, causal, backend, route=None, **kw):
@@ -76,7 +87,7 @@ def _check_both(q, k, v, dout, causal, repro, **kw):
         assert err <= bound, f"{name}: max|hopper - portable| = {err:.3g} exceeds {bound:.3g}\n{repro}"
 
 
-@pytest.mark.parametrize("d", (64, 96, 128, 256))
+@pytest.mark.parametrize("d", DIMS, ids=_dims_id)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 def test_sweep_gqa_bf16(sq, sk, causal, d):
@@ -87,7 +98,7 @@ def test_sweep_gqa_bf16(sq, sk, causal, d):
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 1)], ids=["mha", "mqa"])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", (64, 96, 128, 256))
+@pytest.mark.parametrize("d", DIMS, ids=_dims_id)
 def test_heads_and_fp16(d, causal, hq, hkv):
     seed = seed_of("hopper-bwd-heads", d, causal, hq, hkv)
     q, k, v, dout = _tensors(seed, 3, hq, hkv, 777, 555, d, torch.float16)
@@ -135,6 +146,7 @@ def _auto_family(**kw) -> str:
     ({"d": 64}, "hopper"),
     ({"d": 96}, "hopper"),  # 64-byte swizzled boxes
     ({"d": 96, "with_bias": True, "bias_grad": True}, "hopper"),
+    ({"d": (192, 128)}, "hopper"),  # split columns, d_qk 192 in 64-byte swizzled boxes
     ({"d": 256}, "hopper"),
     ({"d": 256, "with_bias": True, "bias_grad": True}, "hopper"),  # split columns: dBias's key sums joined
     ({"deterministic": True}, "hopper"),
@@ -164,7 +176,7 @@ def _deterministic_runs(q, k, v, dout, causal, runs, **kw):
     return first
 
 
-@pytest.mark.parametrize("d", (64, 96, 128, 256))
+@pytest.mark.parametrize("d", DIMS, ids=_dims_id)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk,hq,hkv", DETERMINISTIC_SHAPES)
 def test_deterministic_is_bitwise_reproducible(sq, sk, hq, hkv, causal, d):
@@ -178,7 +190,7 @@ def test_deterministic_is_bitwise_reproducible(sq, sk, hq, hkv, causal, d):
                                causal=causal, d=d))
 
 
-@pytest.mark.parametrize("d", (128, 256))
+@pytest.mark.parametrize("d", (128, (192, 128), 256), ids=_dims_id)
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_deterministic_with_sink_gradient_and_fp16(causal, d):
     """GQA with sinks and dSink in fp16: dq, dk, dv and dsink bitwise equal over 20 runs, and close
@@ -196,7 +208,7 @@ def test_deterministic_with_sink_gradient_and_fp16(causal, d):
 BIAS_SHAPES = [f"{b}{h}{q}{k}" for b in "b1" for h in "h1" for q in "q1" for k in "k1"]
 
 
-@pytest.mark.parametrize("d", (64, 96, 128, 256))
+@pytest.mark.parametrize("d", DIMS, ids=_dims_id)
 @pytest.mark.parametrize("causal", (None, "bottom_right"))
 @pytest.mark.parametrize("shape", BIAS_SHAPES)
 def test_every_bias_shape_with_gqa_and_sinks(shape, causal, d):
@@ -227,7 +239,7 @@ def test_a_biased_backward_is_bitwise_reproducible():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-@pytest.mark.parametrize("d", (64, 256))
+@pytest.mark.parametrize("d", (64, (192, 128), 256), ids=_dims_id)
 @pytest.mark.parametrize("shape, causal", [("11qk", None), ("1hqk", "bottom_right"), ("b1qk", None),
                                            ("bh1k", "bottom_right"), ("111k", None)])
 def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal, d):

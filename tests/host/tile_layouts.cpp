@@ -43,10 +43,10 @@ struct FragmentCoords {
 
 // swizzled_offset, SwizzledPairs, zero_rows and the forward's copy_rows_out against the TMA/wgmma
 // layout of a (kRows, kCols) tile of 2-byte entries in swizzled boxes of kBoxCols columns
-// (head_boxes.hpp: 128-byte boxes of 64, or 64-byte ones of 32 at d 96).
+// (head_boxes.hpp: 128-byte boxes of 64, or 64-byte ones of 32).
 template <int kRows, int kCols, int kBoxCols>
 void check_swizzled_tile() {
-  using Layout = decltype(tile_to_shape(HeadSmemAtom<Elem, kCols>{}, Shape<Int<kRows>, Int<kCols>>{}));
+  using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, kBoxCols>{}, Shape<Int<kRows>, Int<kCols>>{}));
   alignas(1024) static Elem buffer[kRows * kCols];
   auto tile = make_tensor(make_smem_ptr(buffer), Layout{});
   auto byte_of = [&](int r, int c) { return long((char*)raw_pointer_cast(&tile(r, c)) - (char*)buffer); };
@@ -136,12 +136,15 @@ int main() {
   check_swizzled_tile<128, 64, 64>();
   check_swizzled_tile<128, 128, 64>();
   check_swizzled_tile<64, 256, 64>();
-  // 64-byte boxes: d 96.
+  // 64-byte boxes: d 96, and d_qk 192 whose columns two warpgroups split.
   check_swizzled_tile<64, 96, 32>();
   check_swizzled_tile<128, 96, 32>();
+  check_swizzled_tile<64, 192, 32>();
+  check_swizzled_tile<128, 192, 32>();
   check_dq_tile<64>();
   check_dq_tile<96>();
   check_dq_tile<128>();
+  check_dq_tile<192>();
   check_dq_tile<256>();
   return failures;
 }

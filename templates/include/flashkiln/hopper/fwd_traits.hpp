@@ -77,8 +77,8 @@ struct FwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static_assert(kStages >= 2, "at least a double-buffered K/V pipeline");
   static_assert(!kBias_ || kBlockN % kBoxCols == 0, "bias tiles load in whole 64-key boxes");
 
-  using SmemAtomQK = HeadSmemAtom<Element, kDimQK>;  // 8 rows x one box
-  using SmemAtomV = HeadSmemAtom<Element, kDimV>;
+  using SmemAtomQK = BoxSmemAtom<Element, kQKBoxCols>;  // 8 rows x one box
+  using SmemAtomV = BoxSmemAtom<Element, kVBoxCols>;
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomQK{}, Shape<Int<kBlockN>, Int<kDimQK>, Int<kStages>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockN>, Int<kDimV>, Int<kStages>>{}));
   // V read as the B operand of P V: (d_v, keys, stage), d_v contiguous (MN-major).
