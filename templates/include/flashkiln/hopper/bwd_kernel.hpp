@@ -159,13 +159,15 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
   const int key_row = int(s.k_begin) + n_block * T::kBlockN;
   TxBarrier::arrive_and_expect_tx(&ss.kv_full, T::kBytesK + T::kBytesV);
   CUTE_UNROLL
-  for (int c = 0; c < T::kDimQK / T::kQKBoxCols; ++c) {
-    tma_load(&p.tma_k, &ss.kv_full, ss.k + c * T::kBlockN * T::kQKBoxCols, c * T::kQKBoxCols, key_row, head_kv,
-             entry);
-  }
-  CUTE_UNROLL
-  for (int c = 0; c < T::kDimV / T::kVBoxCols; ++c) {
-    tma_load(&p.tma_v, &ss.kv_full, ss.v + c * T::kBlockN * T::kVBoxCols, c * T::kVBoxCols, key_row, head_kv, entry);
+  for (int c = 0; c < T::kMaxBoxes; ++c) {
+    if (c < T::kQKBoxes) {
+      tma_load(&p.tma_k, &ss.kv_full, ss.k + c * T::kBlockN * T::kQKBoxCols, c * T::kQKBoxCols, key_row, head_kv,
+               entry);
+    }
+    if (c < T::kVBoxes) {
+      tma_load(&p.tma_v, &ss.kv_full, ss.v + c * T::kBlockN * T::kVBoxCols, c * T::kVBoxCols, key_row, head_kv,
+               entry);
+    }
   }
   const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   // A full bias's dBias: the consumers leave each tile's dS in its stage's bias tile, which this
@@ -188,16 +190,17 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     const int m = sweep.tile(i);
     const uint32_t bias_bytes = !T::kBias ? 0 : p.bias_row_step ? T::kBytesBias : T::kBytesBiasRow;
     TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], T::kBytesQ + T::kBytesDo + bias_bytes);
-    const int row = int(s.q_begin) + m * T::kBlockM;
     CUTE_UNROLL
-    for (int c = 0; c < T::kDimQK / T::kQKBoxCols; ++c) {
-      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + st.stage * T::kElemsQ + c * T::kBlockM * T::kQKBoxCols,
-               c * T::kQKBoxCols, row, head, entry);
-    }
-    CUTE_UNROLL
-    for (int c = 0; c < T::kDimV / T::kVBoxCols; ++c) {
-      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + st.stage * T::kElemsDo + c * T::kBlockM * T::kVBoxCols,
-               c * T::kVBoxCols, row, head, entry);
+    for (int c = 0; c < T::kMaxBoxes; ++c) {
+      const int row = int(s.q_begin) + m * T::kBlockM;
+      if (c < T::kQKBoxes) {
+        tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + st.stage * T::kElemsQ + c * T::kBlockM * T::kQKBoxCols,
+                 c * T::kQKBoxCols, row, head, entry);
+      }
+      if (c < T::kVBoxes) {
+        tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + st.stage * T::kElemsDo + c * T::kBlockM * T::kVBoxCols,
+                 c * T::kVBoxCols, row, head, entry);
+      }
     }
     if constexpr (T::kBias) {
       // The bias is (batch, heads, seqlen_q, seqlen_k) per sequence (a packed batch's too); one
@@ -736,35 +739,51 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   }
 
   // dK (scaled) and dV of this warpgroup's keys: in the element type by the output strides, or
-  // (GQA) in fp32 per query head, which the runtime sums over each group.
+  // (GQA) in fp32 per query head, which the runtime sums over each group. Entry i of either
+  // fragment holds the same key (m64 accumulators over the warpgroup's keys); where d_qk and d_v
+  // differ, one fragment has fewer entries.
+  Tensor cK = thr_dk.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDimQK>>{}));
+  Tensor cV = thr_dv.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDimV>>{}));
+  constexpr int kEntriesK = decltype(size(acc_dk))::value;
+  constexpr int kEntriesV = decltype(size(acc_dv))::value;
   const bool gqa = p.dk_accum != 0;
   const int head_kv = head / (p.heads_q / p.heads_kv);
-  auto store = [&](auto const& acc, auto const& thr, auto dim, float scale, uint64_t accum, uint64_t out,
-                   int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
-    constexpr int kDim = decltype(dim)::value;
-    Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<kDim>>{}));
-    const int64_t base = s.k_offset(batch_stride, row_stride) + head_kv * head_stride;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); i += 2) {
-      const int key = key0 + get<0>(coords(i));
-      const int col = get<1>(coords(i));
-      if (key < s.seqlen_k) {
-        const float2 value = make_float2(acc(i) * scale, acc(i + 1) * scale);
-        if (gqa) {
-          const int64_t index = (s.k_row(p, head) + key) * kDim + col;
-          *reinterpret_cast<float2*>(reinterpret_cast<float*>(accum) + index) = value;
-        } else {
-          cutlass::NumericArrayConverter<Element, float, 2> convert;
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(out) + base + key * row_stride +
-                                                         col) = convert(cutlass::Array<float, 2>{value.x, value.y});
+  const int64_t dk_base = s.k_offset(p.dk_batch_stride, p.dk_row_stride) + head_kv * p.dk_head_stride;
+  const int64_t dv_base = s.k_offset(p.dv_batch_stride, p.dv_row_stride) + head_kv * p.dv_head_stride;
+  auto pair = [](float x, float y) {
+    cutlass::NumericArrayConverter<Element, float, 2> convert;
+    return convert(cutlass::Array<float, 2>{x, y});
+  };
+  CUTE_UNROLL
+  for (int i = 0; i < (kEntriesK > kEntriesV ? kEntriesK : kEntriesV); i += 2) {
+    const bool has_dk = i < kEntriesK, has_dv = i < kEntriesV;  // compile-time once unrolled
+    const int key = key0 + (has_dk ? get<0>(cK(i)) : get<0>(cV(i)));
+    if (key < s.seqlen_k) {
+      if (gqa) {
+        if (has_dk) {
+          *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dk_accum) +
+                                     (s.k_row(p, head) + key) * T::kDimQK + get<1>(cK(i))) =
+              make_float2(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
+        }
+        if (has_dv) {
+          *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dv_accum) +
+                                     (s.k_row(p, head) + key) * T::kDimV + get<1>(cV(i))) =
+              make_float2(acc_dv(i), acc_dv(i + 1));
+        }
+      } else {
+        if (has_dk) {
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dk) + dk_base +
+                                                         key * p.dk_row_stride + get<1>(cK(i))) =
+              pair(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
+        }
+        if (has_dv) {
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dv) + dv_base +
+                                                         key * p.dv_row_stride + get<1>(cV(i))) =
+              pair(acc_dv(i), acc_dv(i + 1));
         }
       }
     }
-  };
-  store(acc_dk, thr_dk, Int<T::kDimQK>{}, p.scale, p.dk_accum, p.dk, p.dk_batch_stride, p.dk_row_stride,
-        p.dk_head_stride);
-  store(acc_dv, thr_dv, Int<T::kDimV>{}, 1.f, p.dv_accum, p.dv, p.dv_batch_stride, p.dv_row_stride,
-        p.dv_head_stride);
+  }
 }
 
 template <class T>
