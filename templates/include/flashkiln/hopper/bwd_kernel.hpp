@@ -159,15 +159,13 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
   const int key_row = int(s.k_begin) + n_block * T::kBlockN;
   TxBarrier::arrive_and_expect_tx(&ss.kv_full, T::kBytesK + T::kBytesV);
   CUTE_UNROLL
-  for (int c = 0; c < T::kMaxBoxes; ++c) {
-    if (c < T::kQKBoxes) {
-      tma_load(&p.tma_k, &ss.kv_full, ss.k + c * T::kBlockN * T::kQKBoxCols, c * T::kQKBoxCols, key_row, head_kv,
-               entry);
-    }
-    if (c < T::kVBoxes) {
-      tma_load(&p.tma_v, &ss.kv_full, ss.v + c * T::kBlockN * T::kVBoxCols, c * T::kVBoxCols, key_row, head_kv,
-               entry);
-    }
+  for (int c = 0; c < T::kQKBoxes; ++c) {
+    tma_load(&p.tma_k, &ss.kv_full, ss.k + c * T::kBlockN * T::kQKBoxCols, c * T::kQKBoxCols, key_row, head_kv,
+             entry);
+  }
+  CUTE_UNROLL
+  for (int c = 0; c < T::kVBoxes; ++c) {
+    tma_load(&p.tma_v, &ss.kv_full, ss.v + c * T::kBlockN * T::kVBoxCols, c * T::kVBoxCols, key_row, head_kv, entry);
   }
   const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   // A full bias's dBias: the consumers leave each tile's dS in its stage's bias tile, which this
@@ -190,17 +188,16 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     const int m = sweep.tile(i);
     const uint32_t bias_bytes = !T::kBias ? 0 : p.bias_row_step ? T::kBytesBias : T::kBytesBiasRow;
     TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], T::kBytesQ + T::kBytesDo + bias_bytes);
+    const int row = int(s.q_begin) + m * T::kBlockM;
     CUTE_UNROLL
-    for (int c = 0; c < T::kMaxBoxes; ++c) {
-      const int row = int(s.q_begin) + m * T::kBlockM;
-      if (c < T::kQKBoxes) {
-        tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + st.stage * T::kElemsQ + c * T::kBlockM * T::kQKBoxCols,
-                 c * T::kQKBoxCols, row, head, entry);
-      }
-      if (c < T::kVBoxes) {
-        tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + st.stage * T::kElemsDo + c * T::kBlockM * T::kVBoxCols,
-                 c * T::kVBoxCols, row, head, entry);
-      }
+    for (int c = 0; c < T::kQKBoxes; ++c) {
+      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + st.stage * T::kElemsQ + c * T::kBlockM * T::kQKBoxCols,
+               c * T::kQKBoxCols, row, head, entry);
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < T::kVBoxes; ++c) {
+      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + st.stage * T::kElemsDo + c * T::kBlockM * T::kVBoxCols,
+               c * T::kVBoxCols, row, head, entry);
     }
     if constexpr (T::kBias) {
       // The bias is (batch, heads, seqlen_q, seqlen_k) per sequence (a packed batch's too); one

@@ -78,10 +78,9 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static_assert(kDimQK % (kColumnParts * kQKBoxCols) == 0 && kDimV % (kColumnParts * kVBoxCols) == 0,
                 "head dims in whole swizzle atoms (per warpgroup where they split the columns)");
   static_assert(kSplitColumns || kDimQK == kDimV, "split by keys: equal head dims");
-  // Boxes per row of a Q or K tile, of a V or dO tile: the producer loads them pairwise.
+  // Boxes per row of a Q or K tile, of a V or dO tile.
   static constexpr int kQKBoxes = kDimQK / kQKBoxCols;
   static constexpr int kVBoxes = kDimV / kVBoxCols;
-  static constexpr int kMaxBoxes = kQKBoxes > kVBoxes ? kQKBoxes : kVBoxes;
   static_assert(kSplitColumns || kStages >= 2, "at least a double-buffered Q/dO pipeline");
   // The P^T buffer is rewritten once the next tile's Q lands, which a single stage orders after
   // both warpgroups' dV GEMMs have read it (they release the stage).
