@@ -14,7 +14,7 @@ from flashkiln.errors import InvalidInputError, UnsupportedError
 from flashkiln.generator.families import FAMILIES
 from flashkiln.generator.render import render
 from flashkiln.generator.specs import load_variants
-from flashkiln.params import HopperFwdParams, params_layout
+from flashkiln.params import HopperFwdParams, bwd_column_parts, params_layout
 from flashkiln import families, hopper_family, tma
 from flashkiln.bias import prepare_bias
 from test_registry import fake_target
@@ -235,6 +235,10 @@ def test_tensor_map_boxes_are_one_swizzle_atom_of_the_head_dim():
     box = lambda d, **kw: tma.tensor_map_shape(torch.empty(1, 2, 100, d, dtype=torch.float16), 64, **kw).box  # noqa: E731
     assert [box(d)[0] for d in (64, 96, 128, 192, 256)] == [64, 32, 64, 64, 64]
     assert box(96, whole_boxes=False)[0] == 64 and box(72, whole_boxes=False) == (64, 64, 1, 1)
+    # Split between the backward's two warpgroups (tile_n 64): whole boxes per warpgroup, so
+    # d 192's 96 columns each take 64-byte boxes.
+    assert [box(d, parts=2)[0] for d in (128, 192, 256)] == [64, 32, 64]
+    assert [bwd_column_parts(tile_n) for tile_n in (64, 128)] == [2, 1]
 
 
 def test_tensor_map_ignores_strides_of_unit_dims():
