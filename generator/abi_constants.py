@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from flashkiln.archs import ARCHS
 from flashkiln.params import BATCH_INNER, BWD_CONSUMER_WARPGROUPS, DQ_ACCUM_ROW_ALIGN, HEADS_INNER, QUERY_TILES_INNER
-from flashkiln.tma import BOX_COLS
+from flashkiln.tma import BOX_COLS, head_box_cols
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,16 @@ class Constant:
 def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constant]]:
     """The constants of a unit whose headers declare them: "unit" at namespace scope, "traits" once
     per variant beside its traits. Every unit includes common/sequence.hpp; the hopper forward
-    also hopper/tile_scheduler.hpp and hopper/fwd_traits.hpp, its backward hopper/bwd_traits.hpp and
-    its postprocess hopper/bwd_dq_tiles.hpp."""
+    also hopper/tile_scheduler.hpp and hopper/fwd_traits.hpp, its backward hopper/bwd_traits.hpp
+    (both with hopper/head_boxes.hpp) and its postprocess hopper/bwd_dq_tiles.hpp."""
     unit = [Constant("flashkiln::kDqAccumRowAlign", DQ_ACCUM_ROW_ALIGN, "flashkiln.params.DQ_ACCUM_ROW_ALIGN")]
     traits = []
+    if family == "hopper" and kernel in ("fwd", "bwd"):
+        # The head dims' box rule (hopper/head_boxes.hpp), at every multiple of 32 up to 256, whole
+        # or split between the backward's warpgroups.
+        unit += [Constant(f"flashkiln::hopper::head_box_cols({d}, {parts})", head_box_cols(d, parts),
+                          f"flashkiln.tma.head_box_cols({d}, {parts})")
+                 for d in range(32, 257, 32) for parts in (1, BWD_CONSUMER_WARPGROUPS)]
     if family == "hopper" and kernel == "fwd":
         unit += [
             Constant("int(flashkiln::hopper::kQueryTilesInner)", QUERY_TILES_INNER,

@@ -49,10 +49,10 @@ class BackwardPlan(CallPlan):
                 dq = torch.empty_strided(*dq_layout, dtype=dtype, device=device)
                 dk = torch.empty_strided(*dk_layout, dtype=dtype, device=device)
                 dv = torch.empty_strided(*dv_layout, dtype=dtype, device=device)
-                scratch = allocate_all(self.scratch, device)
+                block = self.scratch_block.allocate(device)
             dlse = None if dlse is None else dlse.contiguous()
             run(self, {**backward_tensors(q, k, v, out, dout, lse.contiguous(), dq, dk, dv, dlse, None, None, None),
-                       **scratch})
+                       **self.scratch_block.addresses(block)})
             return dq, dk, dv
         return self._run(dout, q, k, v, out, lse, dlse, bias, sink, packed, dq, dk, dv)
 

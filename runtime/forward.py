@@ -44,7 +44,8 @@ class ForwardPlan(CallPlan):
             lse = torch.empty_strided(*lse_layout, dtype=torch.float32, device=device)
             tensors = forward_tensors(q, k, v, out, lse, None, None, None)
             if self.scratch:
-                tensors.update(allocate_all(self.scratch, device))
+                block = self.scratch_block.allocate(device)
+                tensors.update(self.scratch_block.addresses(block))
             run(self, tensors)
             return out, lse
         return self._run(q, k, v, bias, sink, packed, out, lse)

@@ -18,7 +18,7 @@ from .calls import BackwardCall, ForwardCall
 from .errors import UnsupportedError
 from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
 from .params import (BATCH_INNER, BWD_CONSUMER_WARPGROUPS, HEADS_INNER, QUERY_TILES_INNER, BwdParams,
-                     HopperBwdParams, HopperFwdParams, TmaDescriptor)
+                     HopperBwdParams, HopperFwdParams, TmaDescriptor, bwd_column_parts)
 from .registry import KernelRegistry
 
 NAME = "hopper"
@@ -141,8 +141,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         raise UnsupportedError(f"{dq_routes.ROUTE_ENV}={forced}: the hopper backward takes the {route} route for "
                                "this call")
     q, k, v = call.q, call.k, call.v
-    layout_batches, hq, _, d = q.shape  # one layout batch entry for a packed batch (common/sequence.hpp)
-    hkv = k.shape[1]
+    layout_batches, hq, _, d_qk = q.shape  # one layout batch entry for a packed batch (common/sequence.hpp)
+    hkv, d_v = k.shape[1], v.shape[3]
     shape = call.shape
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     main = registry.find(backward_request(call), *target.limits)
@@ -151,7 +151,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
     key_tiles = ceil_div(sk, tile_n)  # the grid's, of the longest sequence
     maps = {"tma_q": (q, tile_m), "tma_k": (k, tile_n), "tma_v": (v, tile_n), "tma_do": (call.dout, tile_m)}
-    encoded = {name: tma.encode(t, rows) for name, (t, rows) in maps.items()}  # UnsupportedError first
+    parts = bwd_column_parts(tile_n)  # the boxes of a head dim whose columns the warpgroups split
+    encoded = {name: tma.encode(t, rows, parts=parts) for name, (t, rows) in maps.items()}  # UnsupportedError first
     bias_map = tma.encode_bias(bias.tensor, tile_m) if bias is not None else tma.BiasMap.none()
     sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows
     f32 = torch.float32
@@ -172,7 +173,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         scratch.take("dbias_semaphore", (sum_shape[0] * sum_shape[1], ceil_div(sq, tile_m), key_tiles),
                      torch.int32, zeroed=True)
     scratch.take("delta", (layout_batches, hq, shape.total_q), f32)
-    scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d), f32)  # zeroed by the preprocess
+    scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d_qk), f32)  # zeroed by the preprocess
     if deterministic:
         scratch.take("dq_semaphore", (b, hq, ceil_div(sq, tile_m), BWD_CONSUMER_WARPGROUPS), torch.int32,
                      zeroed=True)
@@ -184,8 +185,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         scratch.absent("dsink_parts")
     if hq != hkv:
         # Zeros for the keys of a packed batch that lie in no sequence.
-        scratch.take("dk_accum", (layout_batches, hq, shape.total_k, d), f32, zeroed=packed)
-        scratch.take("dv_accum", (layout_batches, hq, shape.total_k, d), f32, zeroed=packed)
+        scratch.take("dk_accum", (layout_batches, hq, shape.total_k, d_qk), f32, zeroed=packed)
+        scratch.take("dv_accum", (layout_batches, hq, shape.total_k, d_v), f32, zeroed=packed)
     else:
         scratch.absent("dk_accum")
         scratch.absent("dv_accum")

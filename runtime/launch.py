@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -48,15 +49,15 @@ class KernelLaunch:
         pointers = tuple(name for name, t in tensors.items() if name in fields and t is not None)
         return cls(entry, grid, params, pointers, tensor_maps)
 
-    def bound(self, tensors: Mapping[str, torch.Tensor | None], replace_address: Any) -> ctypes.Structure:
-        """A copy of the parameter block pointing at `tensors`."""
+    def bound(self, tensors: Mapping[str, torch.Tensor | int | None], replace_address: Any) -> ctypes.Structure:
+        """A copy of the parameter block pointing at `tensors` (scratch roles may be addresses)."""
         params = type(self.params).from_buffer_copy(self.params)
         for name in self.pointers:
-            setattr(params, name, tensors[name].data_ptr())
+            setattr(params, name, _bound_address(tensors[name]))
         if self.tensor_maps:
             base = ctypes.addressof(params)
             for offset, role, planned in self._map_offsets:
-                address = tensors[role].data_ptr()
+                address = _bound_address(tensors[role])
                 if address != planned:
                     replace_address(base + offset, address)
         return params
@@ -79,6 +80,11 @@ class BackwardLaunches:
 
 def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _bound_address(t: torch.Tensor | int) -> int:
+    """A call's tensor's address, or a scratch role's (ScratchBlock.addresses)."""
+    return t if t.__class__ is int else t.data_ptr()
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,47 @@ def allocate_all(specs: tuple[Scratch, ...], device: torch.device) -> dict[str, 
     return {s.role: allocate(s, device) for s in specs}
 
 
+# Bytes: each role's offset in a ScratchBlock. torch's caching allocator rounds every allocation to
+# 512 bytes, so each role keeps the alignment and slack it had as an allocation of its own.
+SCRATCH_ALIGNMENT = 512
+
+
+@dataclass(frozen=True)
+class ScratchBlock:
+    """A plan's scratch as one allocation per call, for the calls that hand it to the kernels alone
+    (each allocation costs host time): each role at a fixed offset, the roles the kernels need
+    zeroed side by side at the front, so that one fill zeroes them all. Calls that read scratch
+    back, or return a view of it (a full bias's dBias), allocate each role apart (allocate_all), so
+    that a returned view holds no other role's memory."""
+
+    offsets: tuple[tuple[Scratch, int], ...]  # (spec, byte offset)
+    zeroed_bytes: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, specs: tuple[Scratch, ...]) -> "ScratchBlock":
+        offsets, end, zeroed_bytes = [], 0, 0
+        for spec in sorted(specs, key=lambda s: not s.zeroed):  # stable: zeroed first, each in plan order
+            offsets.append((spec, end))
+            end += ceil_div(math.prod(spec.shape) * spec.dtype.itemsize, SCRATCH_ALIGNMENT) * SCRATCH_ALIGNMENT
+            if spec.zeroed:
+                zeroed_bytes = end
+        return cls(tuple(offsets), zeroed_bytes, end)
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        if self.zeroed_bytes == self.nbytes:
+            return torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        block = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        if self.zeroed_bytes:
+            block[:self.zeroed_bytes].zero_()
+        return block
+
+    def addresses(self, block: torch.Tensor) -> dict[str, int]:
+        """Each role's address in `block` (what `run` binds; the kernels need no tensor)."""
+        base = block.data_ptr()
+        return {spec.role: base + offset for spec, offset in self.offsets}
+
+
 @dataclass(frozen=True)
 class CallPlan:
     """What a call does, decided once for all calls of its plan-cache key (flashkiln.plan_cache):
@@ -136,6 +183,10 @@ class CallPlan:
     scores: tuple[int, int, int, int]  # (B, H_q, S_q, S_k), what a bias broadcasts to
     dims: tuple[int, int]  # the kernels' head dims (larger than the call's: zero-padded copies)
     kernels: tuple[Any, ...]  # the launches' loaded kernels (registry.load), loaded when planned
+
+    @functools.cached_property
+    def scratch_block(self) -> ScratchBlock:
+        return ScratchBlock.of(self.scratch)
 
     @functools.cached_property
     def steps(self) -> tuple[tuple, ...]:
@@ -199,7 +250,7 @@ def _current_device() -> int:
     return torch._C._cuda_getDevice()
 
 
-def run(plan: CallPlan, tensors: Mapping[str, torch.Tensor | None]) -> None:
+def run(plan: CallPlan, tensors: Mapping[str, torch.Tensor | int | None]) -> None:
     """Launch the plan's kernels in order on the current stream (kernels of one call are ordered
     by that stream), each launch's block patched to point at `tensors` first."""
     device = plan.target.device

@@ -10,7 +10,7 @@ goes on the current stream, so both also work under CUDA-graph capture.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -153,22 +153,64 @@ def _backward(ctx, dout, dlse):
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerCall:
+    """An eager call's arguments besides q, k, v, as attention_forward and attention_backward take
+    them. Its optional tensors (bias, sink, cu_seqlens_q, cu_seqlens_k: those present, in that
+    order) travel through autograd's apply beside q, k, v, so that autograd saves them with their
+    version checks and apply looks at no argument that is None."""
+
+    __slots__ = ("scores", "deterministic", "has_bias", "has_sink", "max_seqlen")
+
+    def __init__(self, settings: tuple, has_bias: bool, has_sink: bool):
+        causal, scale, self.deterministic, max_seqlen_q, max_seqlen_k, left, right, softcap = settings
+        self.scores = {"causal": _causal_arg(causal), "window_size": _window(left, right), "softcap": softcap,
+                       "scale": scale}
+        self.has_bias, self.has_sink = has_bias, has_sink
+        self.max_seqlen = (max_seqlen_q, max_seqlen_k)
+
+    def split(self, optional: Sequence[torch.Tensor]
+              ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[PackedBatch]]:
+        """(bias, sink, packed) of the optional tensors."""
+        if not optional:
+            return None, None, None
+        bias = optional[0] if self.has_bias else None
+        sink = optional[self.has_bias] if self.has_sink else None
+        cu_seqlens = optional[self.has_bias + self.has_sink:]
+        return bias, sink, _packed(*cu_seqlens, *self.max_seqlen) if cu_seqlens else None
+
+
 class _EagerAttention(torch.autograd.Function):
     """The custom op's autograd in eager mode without torch's custom-op dispatch, which costs more
     host time per call than the kernels' own planned launches (docs/perf.md); torch.compile traces
-    the custom ops instead (`_attention`)."""
+    the custom ops instead (`_attention`). apply(call, q, k, v, *optional) (_EagerCall's) returns
+    the output alone: the eager callers drop the LSE, and every input or output autograd tracks
+    costs host time."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings):
-        ctx.set_materialize_grads(False)  # an unused LSE gives dlse None, not zeros
-        inputs = _op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings)
-        out, lse = _forward(*inputs)
-        _save(ctx, *inputs, out, lse)
-        return out, lse
+    def forward(ctx, call: _EagerCall, q, k, v, *optional):
+        bias, sink, packed = call.split(optional)
+        out, lse = attention_forward(q, k, v, bias=bias, sink=sink, packed=packed, **call.scores)
+        ctx.call = call
+        ctx.save_for_backward(q, k, v, out, lse, *optional)
+        return out
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        return _gradients(ctx, dout, dlse, _gradients_or_none) + (None,) * 3  # cu_seqlens_q, cu_seqlens_k, settings
+    def backward(ctx, dout):
+        q, k, v, out, lse, *optional = ctx.saved_tensors
+        call: _EagerCall = ctx.call
+        bias, sink, packed = call.split(optional)
+        wanted = ctx.needs_input_grad[4:4 + call.has_bias + call.has_sink]  # bias's, then sink's
+        bias_grad = call.has_bias and wanted[0]
+        sink_grad = call.has_sink and wanted[-1]
+        dq, dk, dv, *extra = attention_backward(dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, sink=sink,
+                                                sink_grad=sink_grad, deterministic=call.deterministic,
+                                                packed=packed, **call.scores)
+        grads = [None, dq, dk, dv]  # call's, q's, k's, v's, then the optional tensors'
+        if call.has_bias:
+            grads.append(extra.pop(0) if bias_grad else None)
+        if call.has_sink:
+            grads.append(extra.pop(0) if sink_grad else None)
+        return (*grads, *(None,) * (4 + len(optional) - len(grads)))  # cu_seqlens
 
 
 def _op_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
@@ -181,19 +223,21 @@ def _op_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                sink: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-               cu_seqlens_k: Optional[torch.Tensor], settings: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse), differentiable: the custom op under torch.compile, the same functions through a
+               cu_seqlens_k: Optional[torch.Tensor], settings: tuple) -> torch.Tensor:
+    """The output, differentiable: the custom op under torch.compile, the same functions through a
     plain autograd.Function in eager mode (the forward alone when grad mode is off or no input
     requires grad). `settings`: the op's other arguments, in its order
-    (causal, scale, deterministic, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap);
-    apart from the tensors, so that autograd's apply looks at 8 arguments, not 15."""
+    (causal, scale, deterministic, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap)."""
     if torch.compiler.is_compiling():
-        return attention_forward_op(*_op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings))
+        return attention_forward_op(*_op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings))[0]
+    call = _EagerCall(settings, bias is not None, sink is not None)
+    optional = tuple(t for t in (bias, sink, cu_seqlens_q, cu_seqlens_k) if t is not None)
     if not (torch.is_grad_enabled() and _any_requires_grad(q, k, v, bias, sink)):
         # Nothing to differentiate (inference, evaluation): the forward alone, without autograd's
         # Function machinery, which costs about as much host time as the forward itself.
-        return _forward(*_op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings))
-    return _EagerAttention.apply(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings)
+        bias, sink, packed = call.split(optional)
+        return attention_forward(q, k, v, bias=bias, sink=sink, packed=packed, **call.scores)[0]
+    return _EagerAttention.apply(call, q, k, v, *optional)
 
 
 def _any_requires_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -238,9 +282,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # A bool mask becomes its additive bias here, once, not in both the forward and the backward.
     attn_mask = None if attn_mask is None else additive(attn_mask, query.dtype)
-    out, _ = _attention(query, key, value, attn_mask, sink, None, None,
-                        ("top_left" if is_causal else "none", scale, deterministic, 0, 0,
-                         *checks.window_pair(window_size), _softcap_arg(softcap)))
+    out = _attention(query, key, value, attn_mask, sink, None, None,
+                     ("top_left" if is_causal else "none", scale, deterministic, 0, 0,
+                      *checks.window_pair(window_size), _softcap_arg(softcap)))
     return out.squeeze(1) if three_d else out
 
 
@@ -269,7 +313,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         PackedBatch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).validate(q.shape[0], k.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     bias = None if bias is None else additive(bias, q.dtype)  # once (see scaled_dot_product_attention)
-    out, _ = _attention(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k,
-                        (causal or "none", scale, deterministic, max_seqlen_q, max_seqlen_k,
-                         *checks.window_pair(window_size), _softcap_arg(softcap)))
+    out = _attention(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k,
+                     (causal or "none", scale, deterministic, max_seqlen_q, max_seqlen_k,
+                      *checks.window_pair(window_size), _softcap_arg(softcap)))
     return out

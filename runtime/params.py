@@ -23,6 +23,12 @@ DQ_ACCUM_ROW_ALIGN = 128
 BWD_CONSUMER_WARPGROUPS = 2
 
 
+def bwd_column_parts(tile_n: int) -> int:
+    """How many of the hopper backward's consumer warpgroups split a head dim's columns: all of them
+    on key tiles of 64 (BwdTraits::kSplitColumns), else one (they split 128 keys instead)."""
+    return BWD_CONSUMER_WARPGROUPS if tile_n == 64 else 1
+
+
 # The hopper forward's work-tile orders, by their innermost dim (HopperFwdParams.tile_order;
 # TileOrder in hopper/tile_scheduler.hpp).
 QUERY_TILES_INNER, HEADS_INNER, BATCH_INNER = 0, 1, 2

@@ -2,9 +2,10 @@
 
 CuTe's host-side TMA helpers are not available under NVRTC, so the runtime builds the maps: a
 (B, H, S, d) tensor with a contiguous head dim becomes a 4-d map (d, S, H, B) with byte strides,
-read and written in boxes of 64 columns (one 128-byte swizzle atom) by `rows` rows. Rows past S
-are zero-filled on loads and dropped on stores, so tiles never reach into the next head. A bias
-(B, H_q, S_q, S_k) maps the same way, its keys as the columns.
+read and written in boxes of `head_box_cols(d, parts)` columns (one swizzle atom: 128 bytes, or 64
+where the columns each consumer warpgroup takes are not a multiple of 64) by `rows` rows. Rows past S are zero-filled on loads and dropped on
+stores, so tiles never reach into the next head. A bias (B, H_q, S_q, S_k) maps the same way, its
+keys as the columns, in boxes of 64.
 """
 from __future__ import annotations
 
@@ -28,19 +29,21 @@ class TensorMapShape:
     address: int
     dims: tuple[int, int, int, int]     # (d, S, H, B)
     strides: tuple[int, int, int]       # bytes of S, H, B steps
-    box: tuple[int, int, int, int]      # (BOX_COLS, rows, 1, 1)
+    box: tuple[int, int, int, int]      # (columns, rows, 1, 1), one swizzle atom wide
 
 
-def tensor_map_shape(t: torch.Tensor, rows: int, whole_boxes: bool = True) -> TensorMapShape:
+def tensor_map_shape(t: torch.Tensor, rows: int, whole_boxes: bool = True, parts: int = 1) -> TensorMapShape:
     """The map's shape for `t` and a box of `rows` rows; UnsupportedError where TMA cannot read `t`
     (the caller then falls back to a kernel that reads through plain pointers). `whole_boxes`: the
-    last dim must be whole boxes (head dims; a bias's key dim need not be, TMA zero-fills past it)."""
+    last dim is a head dim, read in whole boxes of head_box_cols(d, parts) columns; else (a bias's
+    keys) boxes of BOX_COLS, TMA zero-filling past the last column."""
     if t.dim() != 4 or t.stride(3) != 1:
         raise UnsupportedError(f"TMA needs a 4-d tensor with a contiguous last dim, got strides {t.stride()}")
     b, h, s, d = t.shape
     elem = t.element_size()
-    if (whole_boxes and d % BOX_COLS) or not 0 < rows <= _MAX_BOX_ROWS:
-        raise UnsupportedError(f"TMA boxes of {BOX_COLS} columns x {rows} rows do not fit head dim {d}")
+    cols = head_box_cols(d, parts) if whole_boxes else BOX_COLS
+    if (whole_boxes and d % cols) or not 0 < rows <= _MAX_BOX_ROWS:
+        raise UnsupportedError(f"TMA boxes of {cols} columns x {rows} rows do not fit head dim {d}")
     if t.data_ptr() % 16:
         raise UnsupportedError("TMA needs a 16-byte aligned base address")
     strides = []
@@ -52,13 +55,21 @@ def tensor_map_shape(t: torch.Tensor, rows: int, whole_boxes: bool = True) -> Te
             raise UnsupportedError(f"TMA needs strides that are positive multiples of 16 bytes, got {t.stride()}")
         strides.append(step)
         span = step * extent
-    return TensorMapShape(t.data_ptr(), (d, s, h, b), tuple(strides), (BOX_COLS, rows, 1, 1))
+    return TensorMapShape(t.data_ptr(), (d, s, h, b), tuple(strides), (cols, rows, 1, 1))
 
 
-def encode(t: torch.Tensor, rows: int, whole_boxes: bool = True) -> TmaDescriptor:
-    """The CUtensorMap of `t` (fp16/bf16) for boxes of `rows` rows, 128-byte swizzled."""
+def head_box_cols(d: int, parts: int = 1) -> int:
+    """Columns per box of a head dim of d (2-byte elements) whose columns `parts` consumer warpgroups
+    split, each taking whole boxes: 64 (a 128-byte swizzle atom) where d / parts is a multiple of 64,
+    else 32 (a 64-byte one). Mirrors hopper/head_boxes.hpp."""
+    return BOX_COLS if d // parts % BOX_COLS == 0 else BOX_COLS // 2
+
+
+def encode(t: torch.Tensor, rows: int, whole_boxes: bool = True, parts: int = 1) -> TmaDescriptor:
+    """The CUtensorMap of `t` (fp16/bf16) for boxes of `rows` rows, swizzled across a box's width
+    (`parts`: the consumer warpgroups that split a head dim's columns, head_box_cols)."""
     descriptor = TmaDescriptor()
-    descriptor.words[:] = _encoded(tensor_map_shape(t, rows, whole_boxes), t.dtype)
+    descriptor.words[:] = _encoded(tensor_map_shape(t, rows, whole_boxes, parts), t.dtype)
     return descriptor
 
 
@@ -99,6 +110,8 @@ def encode_bias(bias: torch.Tensor, rows: int) -> BiasMap:
 def _encoded(shape: TensorMapShape, dtype: torch.dtype) -> tuple[int, ...]:
     from cuda.bindings import driver as cu
 
+    swizzles = {128: cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,  # by a box row's bytes
+                64: cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}
     data_type = {torch.float16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                  torch.bfloat16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[dtype]
     err, tensor_map = cu.cuTensorMapEncodeTiled(
@@ -106,7 +119,7 @@ def _encoded(shape: TensorMapShape, dtype: torch.dtype) -> tuple[int, ...]:
         [cu.cuuint64_t(x) for x in shape.strides], [cu.cuuint32_t(x) for x in shape.box],
         [cu.cuuint32_t(1)] * 4,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        swizzles[shape.box[0] * dtype.itemsize],
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )

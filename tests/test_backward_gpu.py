@@ -78,9 +78,9 @@ def _check_grads(dout, q, k, v, causal, repro: str, scale=None, route="atomic", 
                         attention_grad_reference(q, k, v, dout, causal, scale, q.dtype), repro)
 
 
-# Head dims with a hopper backward: auto takes it there, so the portable family's ordered route runs
-# forced by backend= too.
-HOPPER_DIMS = {(64, 64), (128, 128)}
+# Head dims with a hopper backward (all of them): auto takes it there, so the portable family's
+# ordered route runs forced by backend= too.
+HOPPER_DIMS = set(HEAD_DIMS)
 ROUTE_CASES = [pytest.param(dims, route, backend, id=f"d{dims[0]}x{dims[1]}-{route}{'-portable' if backend else ''}")
                for dims in HEAD_DIMS for route in ROUTES
                for backend in ((None, "portable") if route == "ordered" and dims in HOPPER_DIMS else (None,))]

@@ -46,7 +46,7 @@ def _bias(kind: str, sq: int, sk: int, gen: torch.Generator, dtype=torch.bfloat1
 
 # Each kernel family explicitly (auto picks hopper on an H200 wherever it can).
 BACKENDS = ("portable", "hopper")
-HOPPER_HEAD_DIMS = {(64, 64), (128, 128), (192, 128), (256, 256)}  # specs/hopper.yaml
+HOPPER_HEAD_DIMS = {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}  # specs/hopper.yaml
 
 
 def _forward_check(q, k, v, causal, bias, repro, backend=None):

@@ -14,7 +14,7 @@ from flashkiln.errors import InvalidInputError, UnsupportedError
 from flashkiln.generator.families import FAMILIES
 from flashkiln.generator.render import render
 from flashkiln.generator.specs import load_variants
-from flashkiln.params import HopperFwdParams, params_layout
+from flashkiln.params import HopperFwdParams, bwd_column_parts, params_layout
 from flashkiln import families, hopper_family, tma
 from flashkiln.bias import prepare_bias
 from test_registry import fake_target
@@ -36,7 +36,7 @@ def test_default_hopper_specs_cover_the_forward_contract():
     variants = [v.descriptor for v in load_variants(REPO / "specs")
                 if v.descriptor.family == "hopper" and v.relative_speed == 1 and v.descriptor.kernel == "fwd"]
     assert {d.arch for d in variants} == {"sm_90a"}
-    assert {(d.d_qk, d.d_v) for d in variants} == {(64, 64), (128, 128), (192, 128), (256, 256)}
+    assert {(d.d_qk, d.d_v) for d in variants} == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     assert {d.causal for d in variants} == {"none", "bottom_right"}  # bottom_right runs top-left calls too
     assert {d.dtype for d in variants} == {"fp16", "bf16"}
     assert all(not HOPPER.functional_errors(d) and not HOPPER.tuning_errors(d) for d in variants)
@@ -46,9 +46,13 @@ def test_default_hopper_specs_cover_the_backward_contract():
     variants = [v.descriptor for v in load_variants(REPO / "specs")
                 if v.descriptor.family == "hopper" and v.descriptor.kernel != "fwd"]
     main = [d for d in variants if d.kernel == "bwd"]
-    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (128, 128), (256, 256)}
-    # d 256 (the consumers split columns) has neither a bias nor a window or cap yet.
-    assert all(d.bias == "none" and not d.window and not d.softcap for d in main if d.d_qk == 256)
+    assert {(d.d_qk, d.d_v) for d in main} == {(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
+    assert {d.bias for d in main if d.d_qk == 96} == {"none", "additive"}  # d 96 in 64-byte swizzled boxes
+    # d 256 (the consumers split columns): a bias with dBias, windows and caps (Gemma 2 and 3).
+    assert {(d.bias, d.bias_grad) for d in main if d.d_qk == 256} == {("none", False), ("additive", False),
+                                                                      ("additive", True)}
+    assert {(d.window, d.softcap) for d in main if d.d_qk == 256} == {(False, False), (True, False), (False, True),
+                                                                      (True, True)}
     assert {d.causal for d in main} == {"none", "bottom_right"}
     assert {d.bias for d in main} == {"none", "additive"}
     assert not any(d.deterministic or d.packed for d in main)  # set at run time
@@ -61,14 +65,11 @@ def test_default_hopper_specs_cover_the_backward_contract():
 @pytest.mark.parametrize("overrides, message", [
     ({"kernel": "bwd", "deterministic": True, "tile_m": 64}, "serves deterministic calls too"),
     ({"kernel": "bwd", "packed": True, "tile_m": 64}, "sequence bounds at run time"),
-    ({"kernel": "bwd", "d_qk": 192, "d_v": 192, "tile_m": 64}, "head dims 64, 128"),
-    ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64, "bias": "additive"}, "has no bias yet"),
-    ({"kernel": "bwd", "d_qk": 256, "d_v": 256, "tile_m": 64, "softcap": True}, "has no softcap yet"),
-    ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "equal head dims"),
+    ({"kernel": "bwd", "d_qk": 192, "d_v": 192, "tile_m": 64}, "head dims 64, 96, 128"),
+    ({"kernel": "bwd", "d_qk": 128, "d_v": 64, "tile_m": 64}, "192/128 and 256"),
     ({"kernel": "bwd_post", "causal": "bottom_right", "tile_m": 64}, "does not mask"),
     ({"kernel": "bwd_pre"}, "the hopper family has only"),
     ({"arch": "sm_80"}, "sm_90a only"),
-    ({"d_qk": 96, "d_v": 96}, "multiple of 64"),
     ({"d_qk": 128, "d_v": 256}, "staged in Q"),
 ])
 def test_functional_errors(overrides, message):
@@ -110,8 +111,10 @@ def test_backward_query_tiles_per_head_dim():
     tiles = {(d.d_qk, d.bias, d.softcap): d.tile_m for d in (v.descriptor for v in load_variants(REPO / "specs"))
              if d.family == "hopper" and d.kernel == "bwd"}
     assert tiles == {(64, "none", False): 128, (64, "additive", False): 64, (64, "none", True): 64,
+                     (96, "none", False): 64, (96, "additive", False): 64,
                      (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64,
-                     (256, "none", False): 64}
+                     (192, "none", False): 64, (192, "additive", False): 64,
+                     (256, "none", False): 64, (256, "additive", False): 64, (256, "none", True): 64}
     d64 = hopper(kernel="bwd", d_qk=64, d_v=64)
     assert not HOPPER.tuning_errors(d64)
     # K, V; two stages of Q and dO; two dS buffers; each warpgroup's 64-row dQ staging; stats and
@@ -122,6 +125,10 @@ def test_backward_query_tiles_per_head_dim():
     d256 = hopper(kernel="bwd", d_qk=256, d_v=256, tile_m=64, tile_n=64, stages=1)
     assert not HOPPER.tuning_errors(d256)
     assert HOPPER.smem_bytes(d256) == 2 * (2 * 64 * 256 + 2 * 64 * 256 + 3 * 64 * 64) + 4 * 2 * 64 * 128 + 2048 + 1008
+    # d 192 / 128, split columns too: K and Q of 192 columns, V and dO of 128, dQ in two 96-column parts.
+    d192 = hopper(kernel="bwd", d_qk=192, d_v=128, tile_m=64, tile_n=64, stages=1)
+    assert not HOPPER.tuning_errors(d192) and HOPPER.splits_columns(d192)
+    assert HOPPER.smem_bytes(d192) == 2 * (64 * 320 + 64 * 320 + 3 * 64 * 64) + 4 * 2 * 64 * 96 + 2048 + 1008
 
 
 def test_smem_formula():
@@ -155,7 +162,8 @@ def test_default_specs_give_biased_variants_their_own_tiles():
                 if v.descriptor.family == "hopper" and v.relative_speed == 1 and v.descriptor.kernel == "fwd"]
     biased = {d.d_qk: d.tile_n for d in variants if d.bias == "additive"}
     plain = {d.d_qk: d.tile_n for d in variants if d.bias == "none"}
-    assert biased == {64: 128, 128: 128, 192: 64, 256: 64} and plain == {64: 128, 128: 160, 192: 128, 256: 80}
+    assert biased == {64: 128, 96: 128, 128: 128, 192: 64, 256: 64}
+    assert plain == {64: 128, 96: 128, 128: 160, 192: 128, 256: 80}
 
 
 # -- parameter block -----------------------------------------------------------------------------
@@ -221,13 +229,25 @@ def test_tensor_map_shape_of_bhsd_and_bshd_tensors():
     assert tma.tensor_map_shape(bshd, 64).strides == (3 * 128, 128, 100 * 3 * 128)
 
 
+def test_tensor_map_boxes_are_one_swizzle_atom_of_the_head_dim():
+    # 128-byte boxes where the head dim is a multiple of 64, 64-byte ones at d 96; a bias's keys
+    # (not a head dim) in 128-byte boxes, however many.
+    box = lambda d, **kw: tma.tensor_map_shape(torch.empty(1, 2, 100, d, dtype=torch.float16), 64, **kw).box  # noqa: E731
+    assert [box(d)[0] for d in (64, 96, 128, 192, 256)] == [64, 32, 64, 64, 64]
+    assert box(96, whole_boxes=False)[0] == 64 and box(72, whole_boxes=False) == (64, 64, 1, 1)
+    # Split between the backward's two warpgroups (tile_n 64): whole boxes per warpgroup, so
+    # d 192's 96 columns each take 64-byte boxes.
+    assert [box(d, parts=2)[0] for d in (128, 192, 256)] == [64, 32, 64]
+    assert [bwd_column_parts(tile_n) for tile_n in (64, 128)] == [2, 1]
+
+
 def test_tensor_map_ignores_strides_of_unit_dims():
     t = torch.empty(1, 1, 100, 64, dtype=torch.bfloat16).as_strided((1, 1, 100, 64), (0, 3, 64, 1))
     assert tma.tensor_map_shape(t, 64).strides == (128, 128 * 100, 128 * 100)
 
 
 @pytest.mark.parametrize("make", [
-    lambda: torch.empty(2, 3, 100, 96, dtype=torch.bfloat16),                           # d not in 64-wide boxes
+    lambda: torch.empty(2, 3, 100, 80, dtype=torch.bfloat16),                           # d not in 32-wide boxes
     lambda: torch.empty(2, 1, 100, 64, dtype=torch.bfloat16).expand(2, 4, 100, 64),     # broadcast heads
     lambda: torch.empty(2, 3, 100, 128, dtype=torch.bfloat16)[..., ::2],                 # strided head dim
 ])

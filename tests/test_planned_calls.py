@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import dataclasses
 import enum
+import math
 import struct
 import types
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import flashkiln
-from flashkiln import backward, families, forward, inputs, ops
+from flashkiln import backward, families, forward, inputs, launch, ops
 from flashkiln.calls import BackwardCall, ForwardCall
 from flashkiln.driver import CudaDriver
 from flashkiln.errors import CudaError
@@ -159,10 +160,18 @@ def recorded_runs(monkeypatch, module) -> list[dict]:
     return runs
 
 
-def assert_same_roles(straight: dict, full: dict, outputs: tuple[str, ...]) -> None:
-    """The same roles, the same input tensors, and outputs (fresh in each path) of one layout."""
+def assert_same_roles(straight: dict, full: dict, outputs: tuple[str, ...], plan) -> None:
+    """The same roles, the same input tensors, outputs (fresh in each path) of one layout, and the
+    plan's scratch: tensors in the full path, addresses in the straight path's one block."""
     assert straight.keys() == full.keys()
+    block = plan.scratch_block
+    for spec, offset in block.offsets:
+        address, tensor = straight[spec.role], full[spec.role]
+        assert type(address) is int and address - offset == straight[block.offsets[0][0].role], spec.role
+        assert (tensor.shape, tensor.dtype) == (spec.shape, spec.dtype), spec.role
     for role, tensor in straight.items():
+        if role in (spec.role for spec in plan.scratch):
+            continue
         if role in outputs or tensor is None or full[role] is None:
             assert (tensor is None) == (full[role] is None), role
             if tensor is not None:
@@ -173,6 +182,27 @@ def assert_same_roles(straight: dict, full: dict, outputs: tuple[str, ...]) -> N
 
 
 # -- the launch loop -----------------------------------------------------------------------------
+
+def test_a_scratch_block_lays_out_every_role_apart_with_the_zeroed_ones_first_and_zeroed(monkeypatch):
+    specs = (Scratch("delta", (2, 3, 7), torch.float32, False), Scratch("counter", (1,), torch.int32, True),
+             Scratch("accum", (2, 3, 128, 64), torch.float32, False), Scratch("semaphore", (5, 3), torch.int32, True),
+             Scratch("empty", (0,), torch.float32, True))
+    block = launch.ScratchBlock.of(specs)
+    assert [spec.role for spec, _ in block.offsets] == ["counter", "semaphore", "empty", "delta", "accum"]
+    spans = [(offset, offset + math.prod(spec.shape) * spec.dtype.itemsize) for spec, offset in block.offsets]
+    assert all(start % launch.SCRATCH_ALIGNMENT == 0 for start, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= block.nbytes and spans[2][1] <= block.zeroed_bytes <= spans[3][0]
+    monkeypatch.setattr(torch, "empty", lambda size, **kw: torch.full((size,), 0xAB, **kw))  # poisoned memory
+    memory = block.allocate(torch.device("cpu"))
+    assert memory.numel() == block.nbytes and not memory[:block.zeroed_bytes].any()
+    assert (memory[block.zeroed_bytes:] == 0xAB).all()
+    counter_only = launch.ScratchBlock.of(specs[1:2])
+    assert counter_only.nbytes == counter_only.zeroed_bytes == launch.SCRATCH_ALIGNMENT
+    assert not counter_only.allocate(torch.device("cpu")).any()
+    addresses = block.addresses(memory)
+    assert [addresses[spec.role] - memory.data_ptr() for spec, _ in block.offsets] == [o for _, o in block.offsets]
+
 
 def test_launches_that_share_a_parameter_block_get_one_binding(registry, fake_gpu):
     q, k, v = qkv()
@@ -216,7 +246,7 @@ def test_the_straight_forward_launches_what_the_full_path_does(registry, fake_gp
             assert (mine.shape, mine.stride(), mine.dtype, mine._base is None) == \
                 (theirs.shape, theirs.stride(), theirs.dtype, theirs._base is None)
     assert runs[0]["o"] is straight[0][0] and runs[0]["lse"] is straight[0][1]
-    assert_same_roles(runs[1], runs[2], outputs=("o", "lse", *(spec.role for spec in plan.scratch)))
+    assert_same_roles(runs[1], runs[2], outputs=("o", "lse"), plan=plan)
     assert len(registry.driver.named("launch")) == 3
 
 
@@ -269,8 +299,7 @@ def test_the_straight_backward_launches_what_the_full_path_does(registry, fake_g
     for mine, theirs in zip(straight, full):
         assert (mine.shape, mine.stride(), mine.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
     assert [runs[0][role] for role in ("dq", "dk", "dv")] == list(straight)
-    scratch = {spec.role for spec in plan.scratch}
-    assert_same_roles(runs[0], runs[1], outputs=("dq", "dk", "dv", *scratch))
+    assert_same_roles(runs[0], runs[1], outputs=("dq", "dk", "dv"), plan=plan)
 
 
 @pytest.mark.parametrize("case", ["no fresh gradients", "buffers"])
@@ -317,10 +346,42 @@ def test_the_eager_sdpa_passes_the_call_through_and_routes_each_gradient(monkeyp
     assert {name: seen["forward"][name] for name in given} == given
     assert seen["forward"]["bias"] is bias and seen["forward"]["sink"] is sink
     assert {name: seen["backward"][name] for name in given} == given
-    assert seen["backward"]["dlse"] is None and seen["backward"]["deterministic"] is True
+    assert "dlse" not in seen["backward"] and seen["backward"]["deterministic"] is True  # no LSE output
     assert (seen["backward"]["bias_grad"], seen["backward"]["sink_grad"]) == (bias_grad, True)
     assert [t.grad.unique().tolist() for t in (q, k, v, sink)] == [[1.0], [2.0], [3.0], [5.0]]
     assert (bias.grad is not None and bias.grad.unique().tolist() == [4.0]) if bias_grad else bias.grad is None
+
+
+@pytest.mark.parametrize("bias_grad, with_sink", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_eager_varlen_attention_routes_each_gradient_past_the_offsets(monkeypatch, bias_grad, with_sink):
+    seen = {}
+
+    def fake_forward(q, k, v, **kwargs):
+        seen["forward"] = kwargs
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+    def fake_backward(dout, q, k, v, out, lse, **kwargs):
+        seen["backward"] = kwargs
+        grads = tuple(torch.full_like(t, float(i)) for i, t in enumerate((q, k, v), start=1))
+        extra = (torch.full_like(kwargs["bias"], 4.0),) if kwargs["bias_grad"] else ()
+        extra += (torch.full_like(kwargs["sink"], 5.0),) if kwargs["sink_grad"] else ()
+        return (*grads, *extra)
+
+    monkeypatch.setattr(ops, "attention_forward", fake_forward)
+    monkeypatch.setattr(ops, "attention_backward", fake_backward)
+    q, k, v = (torch.randn(8, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    bias = torch.zeros(2, 2, 5, 5, dtype=q.dtype, requires_grad=bias_grad)
+    sink = torch.zeros(2, requires_grad=True) if with_sink else None
+    out = ops.varlen_attention(q, k, v, cu, cu, 5, 5, causal="bottom_right", bias=bias, sink=sink)
+    out.backward(torch.ones_like(out))
+    for direction in ("forward", "backward"):
+        assert seen[direction]["packed"] == PackedBatch(cu, cu, 5, 5) and seen[direction]["bias"] is bias
+        assert seen[direction]["sink"] is sink and seen[direction]["causal"] == "bottom_right"
+    assert (seen["backward"]["bias_grad"], seen["backward"]["sink_grad"]) == (bias_grad, with_sink)
+    assert [t.grad.unique().tolist() for t in (q, k, v)] == [[1.0], [2.0], [3.0]]
+    assert bias.grad.unique().tolist() == [4.0] if bias_grad else bias.grad is None
+    assert sink is None or sink.grad.unique().tolist() == [5.0]
 
 
 @pytest.mark.parametrize("case", ["no input requires grad", "no_grad", "inference_mode", "only the sink", "only v"])

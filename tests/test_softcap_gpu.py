@@ -45,14 +45,15 @@ def _run(q, k, v, dout, backend, repro, **kw):
     return got_out, got_lse, grads
 
 
-def _check(q, k, v, dout, causal, repro, sink=None, **kw):
-    """Every family's O, LSE and gradients against the references, with `kw` (softcap, window)."""
+def _check(q, k, v, dout, causal, repro, sink=None, families: tuple[str, ...] | None = None, **kw):
+    """The O, LSE and gradients of every family (or of `families`) against the references, with `kw`
+    (softcap, window)."""
     ref_kw = dict(window=kw.get("window_size"), softcap=kw["softcap"])
     r32 = attention_reference(q, k, v, causal, None, torch.float32, sink=sink, **ref_kw)
     rlp = attention_reference(q, k, v, causal, None, q.dtype, sink=sink, **ref_kw)
     g32 = attention_grad_reference(q, k, v, dout, causal, None, torch.float32, sink=sink, **ref_kw)
     glp = attention_grad_reference(q, k, v, dout, causal, None, q.dtype, sink=sink, **ref_kw)
-    for backend in _families():
+    for backend in families or _families():
         r = f"{repro} backend={backend}"
         out, lse, grads = _run(q, k, v, dout, backend, r, causal=causal, sink=sink, **kw)
         fa_style_check("out", out, r32.out, rlp.out, 2, r)
@@ -76,14 +77,33 @@ def test_forward_and_backward(sq, sk, d, causal, window, softcap):
 
 
 @gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("softcap", [5.0, 50.0])
+@pytest.mark.parametrize("window", [None, (48, 16)])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (113, 129), (129, 113), (300, 17)])
+def test_head_dim_256(sq, sk, causal, window, softcap):
+    """d 256 (Gemma 2 9B: cap 50, windows of 4096), which the hopper family alone generates."""
+    if not _on_hopper():
+        pytest.skip("softcaps at d 256 are generated for the hopper family (compute capability 9.0) only")
+    seed = seed_of("softcap-d256", sq, sk, causal, window, softcap)
+    q, k, v, dout, _ = _tensors(seed, 2, 4, 2, sq, sk, 256, torch.bfloat16)
+    _check(q, k, v, dout, causal, _repro("test_head_dim_256", seed=seed, sq=sq, sk=sk, causal=causal, window=window,
+                                         softcap=softcap),
+           families=("hopper",), softcap=softcap, window_size=window)
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_saturated_scores(d):
     """Scores of magnitude ~40 under a cap of 10: the tanh saturates, its slope is near 0, and the
-    probabilities concentrate on the capped maxima."""
+    probabilities concentrate on the capped maxima. d 256: the hopper family's alone."""
+    if d == 256 and not _on_hopper():
+        pytest.skip("softcaps at d 256 are generated for the hopper family (compute capability 9.0) only")
     seed = seed_of("softcap-saturated", d)
     q, k, v, dout, _ = _tensors(seed, 1, 2, 2, 257, 257, d, torch.bfloat16)
     q = (q * 6).to(torch.bfloat16)
-    _check(q, k, v, dout, "bottom_right", _repro("test_saturated_scores", seed=seed, d=d), softcap=10.0)
+    _check(q, k, v, dout, "bottom_right", _repro("test_saturated_scores", seed=seed, d=d),
+           families=("hopper",) if d == 256 else None, softcap=10.0)
 
 
 @gpu

@@ -15,9 +15,12 @@ import torch
 import flashkiln
 from flashkiln.dq_routes import ROUTE_ENV, ROUTES
 
-# (B, H_q, H_kv, S_q, S_k, d, causal, bias shape or None, score modifications); racecheck runs the first 6
+# (B, H_q, H_kv, S_q, S_k, d or (d_qk, d_v), causal, bias shape or None, score modifications);
+# racecheck runs the first 8
 CASES = [
     (1, 2, 1, 130, 200, 256, "bottom_right", None, {}),  # d 256: the hopper backward's split columns
+    (1, 2, 1, 129, 200, 256, None, (1, 1, 1, 200), {}),  # ... with a bias: key sums joined across warpgroups
+    (1, 2, 1, 130, 200, (192, 128), "bottom_right", (1, 2, 130, 200), {}),  # split columns, d_qk != d_v
     (1, 2, 2, 200, 300, 128, "top_left", None, {}),  # the hopper forward's second tuning (128 keys)
     (1, 2, 1, 17, 129, 64, None, (1, 1, 1, 129), {}),
     (1, 2, 2, 129, 17, 128, "bottom_right", (1, 2, 129, 17), {}),
@@ -31,6 +34,8 @@ CASES = [
     (1, 2, 1, 300, 260, 128, None, None, {"window_size": (70, 30)}),  # first key tiles above 0, both edges
     (1, 2, 1, 300, 200, 64, None, None, {}),  # deterministic: staggered sweeps (5 query tiles, 2 key tiles)
     (1, 2, 2, 257, 257, 64, "bottom_right", None, {"window_size": (100, 0), "softcap": 20.0}),
+    (1, 2, 2, 100, 150, 96, "top_left", (1, 1, 1, 150), {}),  # d 96: 64-byte swizzled boxes
+    (1, 2, 1, 300, 300, 256, "bottom_right", None, {"window_size": (100, 0), "softcap": 30.0}),  # Gemma 2
 ]
 # Packed batches: (query lengths, key lengths, H_q, H_kv, d, causal, bias?), with zero-length
 # sequences and a token past the last sequence.
@@ -38,6 +43,7 @@ PACKED_CASES = [
     ((17, 0, 130), (129, 5, 0), 2, 1, 64, "bottom_right", True),
     ((1, 70), (64, 70), 2, 2, 128, "top_left", False),
     ((17, 0, 130), (129, 5, 0), 2, 1, 256, "bottom_right", False),
+    ((17, 0, 130), (129, 5, 0), 2, 1, 96, None, True),
 ]
 
 
@@ -71,9 +77,10 @@ def backward_on_every_route(out, q, k, v, lse, bias, **kwargs) -> list[torch.Ten
 def main() -> int:
     limit = int(sys.argv[1]) if len(sys.argv) > 1 else len(CASES)
     for b, hq, hkv, sq, sk, d, causal, bias_shape, mods in CASES[:limit]:
-        q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16)
+        d_qk, d_v = d if isinstance(d, tuple) else (d, d)
+        q = torch.randn(b, hq, sq, d_qk, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, sk, d_qk, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, sk, d_v, device="cuda", dtype=torch.bfloat16)
         bias = None if bias_shape is None else torch.randn(bias_shape, device="cuda", dtype=torch.bfloat16)
         sink = torch.linspace(-1, 1, hq, device="cuda") if bias is None else None
         out, lse = flashkiln.attention_forward(q, k, v, causal=causal, bias=bias, sink=sink, **mods)

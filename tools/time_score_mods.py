@@ -6,7 +6,7 @@ peers: bench/bench.py --window and --softcap time FlexAttention too, with its co
 and that rate over the reference's. --mod softcap: per (d, causal, S) without and with a cap.
 Timing: bench.py's time_ms, L2 flushed before each timed call.
 Usage: tools/pyenv.sh python3 tools/time_score_mods.py [--mod window|softcap] [--backend FAMILY] [--quick]
-  > out.json
+  [--dims 64 128 256] > out.json
 """
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def main() -> None:
     parser.add_argument("--backend", help="the family (default: auto)")
     parser.add_argument("--quick", action="store_true", help="S 4k and 16k only")
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="head dims (default: 64 128)")
     args = parser.parse_args()
     rows = []
-    for d in (64, 128):
+    for d in args.dims:
         for causal in (False, True):
             for s in (4096, 16384) if args.quick else (4096, 8192, 16384, 32768):
                 b, h = max(1, 16384 // s), 2048 // d

@@ -3,8 +3,8 @@
 Forward (hopper/fwd_*.hpp): one producer warpgroup and one consumer warpgroup per 64 query rows;
 K/V (and bias tiles, with a bias) stream through a ring of `stages` shared-memory buffers.
 Backward (hopper/bwd_*.hpp): a CTA per key tile of tile_n keys and two consumer warpgroups, which
-split it by keys (tile_n 128, 64 each) or, at d 256, by dK's and dV's columns (tile_n 64), Q and
-dO of tile_m rows streaming through `stages` buffers; its postprocess (bwd_post) reads the main
+split it by keys (tile_n 128, 64 each) or, at d 256 and 192/128, by dK's and dV's columns (tile_n
+64), Q and dO of tile_m rows streaming through `stages` buffers; its postprocess (bwd_post) reads the main
 kernel's dQ accumulator in 64-row tiles whose column parts follow the head dim alone. The
 preprocess is the portable family's (bwd_pre). The formulas here are static_asserted by the C++
 side (threads, shared-memory bytes), like the portable family's.
@@ -14,7 +14,8 @@ from __future__ import annotations
 from flashkiln.archs import ARCHS
 from flashkiln.descriptor import VariantDescriptor
 from flashkiln.params import BWD_CONSUMER_WARPGROUPS as _BWD_CONSUMER_WARPGROUPS
-from flashkiln.tma import BOX_COLS as _BOX_COLS  # TMA box width in elements: one 128-byte swizzle atom
+from flashkiln.params import bwd_column_parts
+from flashkiln.tma import BOX_COLS as _BOX_COLS  # the bias's TMA box width in keys: one 128-byte swizzle atom
 
 from .base import ELEMENT_BYTES, Family, smem_limit_errors
 
@@ -27,10 +28,12 @@ _ALIGN_SLACK = 1024 - 16
 # The rows of the backward's dQ accumulator tiles (hopper/bwd_dq_tiles.hpp): bwd_post's tile_m,
 # and what the main kernel's query tiles are made of.
 _DQ_TILE_ROWS = 64
-# Head dims whose dK and dV of 64 keys fit a consumer warpgroup's registers: the warpgroups split
-# a key tile of 128 by keys; at 256 they split one of 64 by columns (hopper/bwd_traits.hpp).
-_BWD_KEY_SPLIT_DIMS = (64, 128)
-_BWD_COLUMN_SPLIT_DIM = 256
+# The backward's head dims (d_qk, d_v). Where dK and dV of 64 keys (d_qk + d_v columns) fit a
+# consumer warpgroup's registers, the warpgroups split a key tile of 128 by keys; else one of 64 by
+# columns (hopper/bwd_traits.hpp). d 96, and d_qk 192 split in two, lie in 64-byte swizzled boxes
+# (hopper/head_boxes.hpp), the others in 128-byte ones.
+_BWD_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+_BWD_KEY_SPLIT_COLUMNS = 256  # the most d_qk + d_v a warpgroup keeps for 64 keys (d 128)
 
 
 class HopperFamily(Family):
@@ -48,12 +51,12 @@ class HopperFamily(Family):
     @staticmethod
     def bwd_tile_n(d: VariantDescriptor) -> int:
         """The main backward kernel's keys per CTA at d's head dim."""
-        return 64 if d.d_qk == _BWD_COLUMN_SPLIT_DIM else 64 * _BWD_CONSUMER_WARPGROUPS
+        return 64 if d.d_qk + d.d_v > _BWD_KEY_SPLIT_COLUMNS else 64 * _BWD_CONSUMER_WARPGROUPS
 
     @staticmethod
     def splits_columns(d: VariantDescriptor) -> bool:
         """Whether the backward's consumers split dK's and dV's columns (BwdTraits::kSplitColumns)."""
-        return d.kernel == "bwd" and d.tile_n == 64
+        return d.kernel == "bwd" and bwd_column_parts(d.tile_n) > 1
 
     def smem_bytes(self, d: VariantDescriptor) -> int:
         if d.kernel == "bwd":
@@ -75,7 +78,7 @@ class HopperFamily(Family):
         elem = ELEMENT_BYTES[d.dtype]
         bias = d.bias != "none"
         ds_buffers = 3 if self.splits_columns(d) else 2
-        tiles = elem * (2 * d.tile_n * d.d_qk + 2 * d.stages * d.tile_m * d.d_qk + ds_buffers * d.tile_m * d.tile_n)
+        tiles = elem * ((d.tile_n + d.stages * d.tile_m) * (d.d_qk + d.d_v) + ds_buffers * d.tile_m * d.tile_n)
         dq_staging = 4 * self.consumer_warpgroups(d) * _DQ_TILE_ROWS * (d.d_qk // self.dq_parts(d))
         # K/V, Q/dO ring, dQ staging, dBias turns
         barriers = 8 * (1 + 2 * d.stages + 2 * self.consumer_warpgroups(d) + 2)
@@ -110,9 +113,7 @@ class HopperFamily(Family):
             errors.append("deterministic=true: the forward is deterministic by construction")
         if d.bias_grad and (d.kernel != "bwd" or d.bias == "none"):
             errors.append("bias_grad=true: only the backward's main kernel with a bias writes dBias")
-        for name, dim in (("d_qk", d.d_qk), ("d_v", d.d_v)):
-            if dim % _BOX_COLS:
-                errors.append(f"{name}={dim}: must be a multiple of {_BOX_COLS} (whole 128-byte swizzle atoms)")
+        # Every head dim of the descriptor (a multiple of 32) is whole boxes of head_box_cols(d).
         if d.kernel != "fwd":
             return errors + self._bwd_combination_errors(d)
         if d.d_v > d.d_qk:
@@ -127,19 +128,10 @@ class HopperFamily(Family):
         if d.packed:
             errors.append("packed=true: the hopper backward reads a packed batch's sequence bounds at run time; "
                           "list packed: [false]")
-        if d.d_qk != d.d_v:
-            errors.append(f"d_qk={d.d_qk}, d_v={d.d_v}: the hopper backward needs equal head dims")
-        if d.d_qk not in (*_BWD_KEY_SPLIT_DIMS, _BWD_COLUMN_SPLIT_DIM):
-            errors.append(f"d_qk={d.d_qk}: the hopper backward has head dims 64, 128 (dK and dV of 64 keys stay "
-                          "in each consumer's registers) and 256 (the consumers split their columns)")
-        elif d.d_qk == _BWD_COLUMN_SPLIT_DIM and d.kernel == "bwd":
-            missing = {"bias": (d.bias != "none", "a bias tile does not fit in shared memory beside the Q/dO stage"),
-                       "window": (d.window, "the specs build no d 256 forward with one either"),
-                       "softcap": (d.softcap, "the specs build no d 256 forward with one either")}
-            for name, (on, why) in missing.items():
-                if on:
-                    errors.append(f"{name} at d_qk={d.d_qk}: the hopper backward of split columns has no {name} "
-                                  f"yet ({why}); the portable backward runs it")
+        if (d.d_qk, d.d_v) not in _BWD_HEAD_DIMS:
+            errors.append(f"d_qk={d.d_qk}, d_v={d.d_v}: the hopper backward has head dims 64, 96, 128 (dK and dV "
+                          "of 64 keys stay in each consumer's registers), 192/128 and 256 (the consumers split "
+                          "their columns)")
         if d.kernel == "bwd_post" and d.causal != "none":
             errors.append(f"causal={d.causal}: bwd_post does not mask; list it with causal: [none]")
         return errors

@@ -20,6 +20,7 @@ static dim3 blockDim, gridDim;
 
 #include <flashkiln/hopper/bwd_dq_tiles.hpp>
 #include <flashkiln/hopper/fwd_epilogue.hpp>
+#include <flashkiln/hopper/head_boxes.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
 
 using namespace cute;
@@ -41,23 +42,24 @@ struct FragmentCoords {
 };
 
 // swizzled_offset, SwizzledPairs, zero_rows and the forward's copy_rows_out against the TMA/wgmma
-// layout of a (kRows, kCols) tile of 2-byte entries in 128-byte swizzled boxes of 64 columns.
-template <int kRows, int kCols>
+// layout of a (kRows, kCols) tile of 2-byte entries in swizzled boxes of kBoxCols columns
+// (head_boxes.hpp: 128-byte boxes of 64, or 64-byte ones of 32).
+template <int kRows, int kCols, int kBoxCols>
 void check_swizzled_tile() {
-  using Layout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kRows>, Int<kCols>>{}));
+  using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, kBoxCols>{}, Shape<Int<kRows>, Int<kCols>>{}));
   alignas(1024) static Elem buffer[kRows * kCols];
   auto tile = make_tensor(make_smem_ptr(buffer), Layout{});
   auto byte_of = [&](int r, int c) { return long((char*)raw_pointer_cast(&tile(r, c)) - (char*)buffer); };
   bool ok = true;
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < kCols; ++c) {
-      ok &= byte_of(r, c) == long(swizzled_offset<kRows>(r, c));
+      ok &= byte_of(r, c) == long(swizzled_offset<kRows, kBoxCols>(r, c));
     }
   }
   for (int rows = 0; rows < kRows; rows += 64) {  // each warpgroup's m64 fragments of the tile
     for (int t = 0; t < 128; ++t) {
       const FragmentCoords coords{rows + 16 * (t / 32) + t % 32 / 4, 2 * (t % 4)};
-      const SwizzledPairs<kRows, false, FragmentCoords> pairs(coords);
+      const SwizzledPairs<kRows, false, FragmentCoords, kBoxCols> pairs(coords);
       for (int i = 0; i < kCols / 2; i += 2) {
         ok &= long(pairs(i)) == byte_of(get<0>(coords(i)), get<1>(coords(i)));
       }
@@ -66,7 +68,7 @@ void check_swizzled_tile() {
   for (int first = 0; first < kRows; first += 8) {
     memset(buffer, 0xff, sizeof(buffer));
     for (int t = 0; t < 128; ++t) {
-      zero_rows<kRows, kCols>(buffer, first, t);
+      zero_rows<kRows, kCols, kBoxCols>(buffer, first, t);
     }
     for (int r = 0; r < kRows; ++r) {
       for (int c = 0; c < kCols; ++c) {
@@ -80,7 +82,7 @@ void check_swizzled_tile() {
   // rows through the swizzle (the warpgroup's first box starts at its first row).
   struct Traits {
     using Element = Elem;
-    static constexpr int kBoxCols = 64;
+    static constexpr int kVBoxCols = kBoxCols;
     static constexpr int kDimV = kCols;
   };
   for (int r = 0; r < kRows; ++r) {
@@ -93,7 +95,7 @@ void check_swizzled_tile() {
   for (int rows = 0; rows < kRows; rows += 64) {
     memset(out, 0, sizeof(out));
     for (int t = 0; t < 128; ++t) {
-      copy_rows_out<Traits>(buffer + rows * 64, kRows * 64, reinterpret_cast<Elem*>(out), kCols, 64, t);
+      copy_rows_out<Traits>(buffer + rows * kBoxCols, kRows * kBoxCols, reinterpret_cast<Elem*>(out), kCols, 64, t);
     }
     for (int r = 0; r < 64; ++r) {
       for (int c = 0; c < kCols; ++c) {
@@ -128,13 +130,21 @@ void check_dq_tile() {
 }
 
 int main() {
-  check_swizzled_tile<64, 64>();
-  check_swizzled_tile<64, 128>();
-  check_swizzled_tile<128, 64>();
-  check_swizzled_tile<128, 128>();
-  check_swizzled_tile<64, 256>();
+  // 128-byte boxes: head dims 64, 128 and 256, and the (keys, rows) tiles of P^T and dS.
+  check_swizzled_tile<64, 64, 64>();
+  check_swizzled_tile<64, 128, 64>();
+  check_swizzled_tile<128, 64, 64>();
+  check_swizzled_tile<128, 128, 64>();
+  check_swizzled_tile<64, 256, 64>();
+  // 64-byte boxes: d 96, and d_qk 192 whose columns two warpgroups split.
+  check_swizzled_tile<64, 96, 32>();
+  check_swizzled_tile<128, 96, 32>();
+  check_swizzled_tile<64, 192, 32>();
+  check_swizzled_tile<128, 192, 32>();
   check_dq_tile<64>();
+  check_dq_tile<96>();
   check_dq_tile<128>();
+  check_dq_tile<192>();
   check_dq_tile<256>();
   return failures;
 }

@@ -157,12 +157,15 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int entry = int(s.layout_batch());
   const int key_row = int(s.k_begin) + n_block * T::kBlockN;
-  TxBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * T::kBytesK);
+  TxBarrier::arrive_and_expect_tx(&ss.kv_full, T::kBytesK + T::kBytesV);
   CUTE_UNROLL
-  for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
-    const int offset = c * T::kBlockN * T::kBoxCols;
-    tma_load(&p.tma_k, &ss.kv_full, ss.k + offset, c * T::kBoxCols, key_row, head_kv, entry);
-    tma_load(&p.tma_v, &ss.kv_full, ss.v + offset, c * T::kBoxCols, key_row, head_kv, entry);
+  for (int c = 0; c < T::kQKBoxes; ++c) {
+    tma_load(&p.tma_k, &ss.kv_full, ss.k + c * T::kBlockN * T::kQKBoxCols, c * T::kQKBoxCols, key_row, head_kv,
+             entry);
+  }
+  CUTE_UNROLL
+  for (int c = 0; c < T::kVBoxes; ++c) {
+    tma_load(&p.tma_v, &ss.kv_full, ss.v + c * T::kBlockN * T::kVBoxCols, c * T::kVBoxCols, key_row, head_kv, entry);
   }
   const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   // A full bias's dBias: the consumers leave each tile's dS in its stage's bias tile, which this
@@ -184,13 +187,17 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     }
     const int m = sweep.tile(i);
     const uint32_t bias_bytes = !T::kBias ? 0 : p.bias_row_step ? T::kBytesBias : T::kBytesBiasRow;
-    TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], 2 * T::kBytesQ + bias_bytes);
+    TxBarrier::arrive_and_expect_tx(&ss.q_full[st.stage], T::kBytesQ + T::kBytesDo + bias_bytes);
+    const int row = int(s.q_begin) + m * T::kBlockM;
     CUTE_UNROLL
-    for (int c = 0; c < T::kDim / T::kBoxCols; ++c) {
-      const int offset = st.stage * T::kElemsQ + c * T::kBlockM * T::kBoxCols;
-      const int row = int(s.q_begin) + m * T::kBlockM;
-      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + offset, c * T::kBoxCols, row, head, entry);
-      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + offset, c * T::kBoxCols, row, head, entry);
+    for (int c = 0; c < T::kQKBoxes; ++c) {
+      tma_load(&p.tma_q, &ss.q_full[st.stage], ss.q + st.stage * T::kElemsQ + c * T::kBlockM * T::kQKBoxCols,
+               c * T::kQKBoxCols, row, head, entry);
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < T::kVBoxes; ++c) {
+      tma_load(&p.tma_do, &ss.q_full[st.stage], ss.dout + st.stage * T::kElemsDo + c * T::kBlockM * T::kVBoxCols,
+               c * T::kVBoxCols, row, head, entry);
     }
     if constexpr (T::kBias) {
       // The bias is (batch, heads, seqlen_q, seqlen_k) per sequence (a packed batch's too); one
@@ -222,7 +229,7 @@ __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::S
   const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   const int piece = T::kDqAlternate ? 0 : warpgroup;  // (row tile, part) of a query tile's dQ
   const int part = piece % T::kDqParts, row_tile = piece / T::kDqParts;
-  float* const accum = reinterpret_cast<float*>(p.dq_accum) + s.dq_accum_row(p, head) * T::kDim +
+  float* const accum = reinterpret_cast<float*>(p.dq_accum) + s.dq_accum_row(p, head) * T::kDimQK +
                        row_tile * T::DqLayout::kTileFloats + part * T::DqLayout::kPartFloats;
   const int64_t semaphore_tiles = (int64_t(s.batch) * p.heads_q + head) * ceil_div(p.seqlen_q, T::kBlockM);
   int* const semaphores = p.dq_semaphore == 0 ? nullptr
@@ -331,26 +338,28 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   using Element = typename T::Element;
   const int warpgroup = thread / 128;
   typename T::TiledMmaSdP mma_sdp;
-  typename T::TiledMmaKV mma_kv;
+  typename T::TiledMmaDk mma_dk;
+  typename T::TiledMmaDv mma_dv;
   typename T::TiledMmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(thread);
-  auto thr_kv = mma_kv.get_thread_slice(thread);
+  auto thr_dk = mma_dk.get_thread_slice(thread);
+  auto thr_dv = mma_dv.get_thread_slice(thread);
   auto thr_dq = mma_dq.get_thread_slice(T::kDqAlternate ? thread % 128 : thread);
 
   // Shared-memory operands as (MMA, M or N, K[, stage]).
   Tensor tSrK = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{}));
   Tensor tSrQ = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQ{}));
-  Tensor tdPrV = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.v), typename T::SmemLayoutK{}));
-  Tensor tdPrdO = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutQ{}));
-  Tensor tdVrdO = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutQt{}));
-  Tensor tdKrQ = thr_kv.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQt{}));
+  Tensor tdPrV = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.v), typename T::SmemLayoutV{}));
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutDo{}));
+  Tensor tdVrdO = thr_dv.partition_fragment_B(make_tensor(make_smem_ptr(ss.dout), typename T::SmemLayoutDot{}));
+  Tensor tdKrQ = thr_dk.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename T::SmemLayoutQt{}));
 
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kBlockM>>{}));  // (key, row)
   Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
   Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
-  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<T::kBlockN>, Int<T::kDim>>{});
-  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<T::kBlockN>, Int<T::kDim>>{});
-  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<T::kBlockM>, Int<T::kDim>>{});
+  Tensor acc_dk = partition_fragment_C(mma_dk, Shape<Int<T::kBlockN>, Int<T::kDimQK>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<T::kBlockN>, Int<T::kDimV>>{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<T::kBlockM>, Int<T::kDimQK>>{});
   // P^T and dS^T in the element type, as the A operands of dV and dK (through shared memory where
   // the warpgroups split columns: the P^T buffer follows the two dS buffers).
   Tensor p_regs = make_fragment_like<Element>(acc_s);
@@ -368,10 +377,11 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   // wgmma would still multiply their values by those zeros (NaN stays NaN), so each warpgroup
   // zeroes those rows of K and V, and of the last query tile's Q and dO, before its GEMMs read
   // them. Both write the same zeros, so neither can see a value the other has not also written.
+  // `qk`: K's or Q's rows, of d_qk columns; `v`: V's or dO's, of d_v.
   const int wg_barrier = kFirstWarpgroupBarrier + warpgroup;
-  auto zero_past_end = [&](Element* a, Element* b, int first, auto rows) {
-    zero_rows<decltype(rows)::value, T::kDim>(a, first, thread % 128);
-    zero_rows<decltype(rows)::value, T::kDim>(b, first, thread % 128);
+  auto zero_past_end = [&](Element* qk, Element* v, int first, auto rows) {
+    zero_rows<decltype(rows)::value, T::kDimQK, T::kQKBoxCols>(qk, first, thread % 128);
+    zero_rows<decltype(rows)::value, T::kDimV, T::kVBoxCols>(v, first, thread % 128);
     cutlass::arch::fence_view_async_shared();  // generic writes that wgmma reads next
     named_barrier_sync(wg_barrier, 128);
   };
@@ -492,7 +502,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
 
     Barrier::wait(&ss.q_full[st.stage], st.phase);
     if (s.packed && row0 + T::kBlockM > s.seqlen_q) {
-      zero_past_end(ss.q + st.stage * T::kElemsQ, ss.dout + st.stage * T::kElemsQ, s.seqlen_q - row0,
+      zero_past_end(ss.q + st.stage * T::kElemsQ, ss.dout + st.stage * T::kElemsDo, s.seqlen_q - row0,
                     Int<T::kBlockM>{});
     }
     // S^T, dP^T and dQ are overwritten per tile: discarded first, they hold no registers from their
@@ -513,9 +523,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     if constexpr (T::kBias) {
       const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias);
       if (p.bias_row_step) {
-        bias_transposed_into<T::kBlockM, false, Element>(acc_s, cS, tile, inv_scale);
+        bias_transposed_into<T::kBlockM, kWarpgroupRows, false, Element>(acc_s, cS, tile, inv_scale);
       } else {
-        bias_transposed_into<T::kBlockM, true, Element>(acc_s, cS, tile, inv_scale);
+        bias_transposed_into<T::kBlockM, kWarpgroupRows, true, Element>(acc_s, cS, tile, inv_scale);
       }
     }
 
@@ -543,10 +553,10 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       store_fragment<T::kBlockN>(p_regs, cS, cute::cast_smem_ptr_to_uint(p_tile));
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
-      Tensor tdVsP = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(p_tile), typename T::SmemLayoutPt{}));
-      wgmma_gemm<false>(mma_kv, tdVsP, tdVrdO(_, _, _, st.stage), acc_dv);
+      Tensor tdVsP = thr_dv.partition_fragment_A(make_tensor(make_smem_ptr(p_tile), typename T::SmemLayoutPt{}));
+      wgmma_gemm<false>(mma_dv, tdVsP, tdVrdO(_, _, _, st.stage), acc_dv);
     } else {
-      wgmma_gemm<false>(mma_kv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
+      wgmma_gemm<false>(mma_dv, tdVrP, tdVrdO(_, _, _, st.stage), acc_dv);
     }
     warpgroup_wait<1>();  // dP^T (dV's GEMM runs on)
 
@@ -575,7 +585,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       if (p.dbias_columns != 0) {
         // The tile's sums over its rows of this thread's two keys, then over the lanes that hold
         // the same keys (lane / 4), added by one of them: the adds of an address come from one
-        // thread in tile order, so the sums are deterministic.
+        // thread in tile order, so the sums are deterministic. Where the warpgroups split the
+        // rows, both hold every key: the second's sums join the first's through the tile's dS
+        // buffer (free until its dS is stored), and the first adds them.
         float sums[2] = {0.f, 0.f};
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dp); ++i) {
@@ -585,8 +597,25 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         for (int g = 0; g < 2; ++g) {
           sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 1);
           sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 2);
+        }
+        const bool adder = thread % 4 == 0 && (!T::kSplitColumns || warpgroup == 0);
+        if constexpr (T::kSplitColumns) {
+          float* const key_sums = reinterpret_cast<float*>(ss.ds + buffer * T::kElemsdS);  // per key of the tile
+          if (warpgroup == 1 && thread % 4 == 0) {
+            key_sums[get<0>(cS(0))] = sums[0];
+            key_sums[get<0>(cS(0)) + 8] = sums[1];
+          }
+          named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+          if (adder) {
+            sums[0] += key_sums[get<0>(cS(0))];
+            sums[1] += key_sums[get<0>(cS(0)) + 8];
+          }
+          named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);  // read before dS is stored there
+        }
+        CUTE_UNROLL
+        for (int g = 0; g < 2; ++g) {
           const int key = key0 + get<0>(cS(0)) + 8 * g;  // this thread's keys: its first and 8 on
-          if (thread % 4 == 0 && key < s.seqlen_k) {
+          if (adder && key < s.seqlen_k) {
             const int64_t row = (int64_t(s.batch) * p.heads_q + head) * p.seqlen_k;
             atomicAdd(reinterpret_cast<float*>(p.dbias_columns) + row + key, sums[g]);
           }
@@ -595,7 +624,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
     ds_regs = convert_fragment<Element>(acc_dp);
     if constexpr (!T::kSplitColumns) {
-      wgmma_gemm<false>(mma_kv, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
+      wgmma_gemm<false>(mma_dk, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
     }
     if constexpr (T::kBiasGrad) {
       if (p.ds_workspace != 0) {
@@ -632,8 +661,8 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     if constexpr (T::kSplitColumns) {
       // Both warpgroups' rows of dS^T, against this warpgroup's columns of Q.
-      Tensor tdKsdS = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(ds), typename T::SmemLayoutPt{}));
-      wgmma_gemm<false>(mma_kv, tdKsdS, tdKrQ(_, _, _, st.stage), acc_dk);
+      Tensor tdKsdS = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(ds), typename T::SmemLayoutPt{}));
+      wgmma_gemm<false>(mma_dk, tdKsdS, tdKrQ(_, _, _, st.stage), acc_dk);
     }
 
     // This warpgroup's dQ of the tile (taking turns: every other tile's). Each branch waits for
@@ -707,32 +736,48 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   }
 
   // dK (scaled) and dV of this warpgroup's keys: in the element type by the output strides, or
-  // (GQA) in fp32 per query head, which the runtime sums over each group.
-  Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDim>>{}));
+  // (GQA) in fp32 per query head, which the runtime sums over each group. Entry i of either
+  // fragment holds the same key (m64 accumulators over the warpgroup's keys); where d_qk and d_v
+  // differ, one fragment has fewer entries.
+  Tensor cK = thr_dk.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDimQK>>{}));
+  Tensor cV = thr_dv.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDimV>>{}));
+  constexpr int kEntriesK = decltype(size(acc_dk))::value;
+  constexpr int kEntriesV = decltype(size(acc_dv))::value;
   const bool gqa = p.dk_accum != 0;
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int64_t dk_base = s.k_offset(p.dk_batch_stride, p.dk_row_stride) + head_kv * p.dk_head_stride;
   const int64_t dv_base = s.k_offset(p.dv_batch_stride, p.dv_row_stride) + head_kv * p.dv_head_stride;
+  auto pair = [](float x, float y) {
+    cutlass::NumericArrayConverter<Element, float, 2> convert;
+    return convert(cutlass::Array<float, 2>{x, y});
+  };
   CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); i += 2) {
-    const int key = key0 + get<0>(cKV(i));
-    const int col = get<1>(cKV(i));
+  for (int i = 0; i < (kEntriesK > kEntriesV ? kEntriesK : kEntriesV); i += 2) {
+    const bool has_dk = i < kEntriesK, has_dv = i < kEntriesV;  // compile-time once unrolled
+    const int key = key0 + (has_dk ? get<0>(cK(i)) : get<0>(cV(i)));
     if (key < s.seqlen_k) {
-      const float2 dk = make_float2(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
-      const float2 dv = make_float2(acc_dv(i), acc_dv(i + 1));
       if (gqa) {
-        const int64_t index = (s.k_row(p, head) + key) * T::kDim + col;
-        *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dk_accum) + index) = dk;
-        *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dv_accum) + index) = dv;
+        if (has_dk) {
+          *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dk_accum) +
+                                     (s.k_row(p, head) + key) * T::kDimQK + get<1>(cK(i))) =
+              make_float2(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
+        }
+        if (has_dv) {
+          *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dv_accum) +
+                                     (s.k_row(p, head) + key) * T::kDimV + get<1>(cV(i))) =
+              make_float2(acc_dv(i), acc_dv(i + 1));
+        }
       } else {
-        auto pair = [](float2 x) {
-          cutlass::NumericArrayConverter<Element, float, 2> convert;
-          return convert(cutlass::Array<float, 2>{x.x, x.y});
-        };
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dk) + dk_base +
-                                                       key * p.dk_row_stride + col) = pair(dk);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dv) + dv_base +
-                                                       key * p.dv_row_stride + col) = pair(dv);
+        if (has_dk) {
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dk) + dk_base +
+                                                         key * p.dk_row_stride + get<1>(cK(i))) =
+              pair(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
+        }
+        if (has_dv) {
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dv) + dv_base +
+                                                         key * p.dv_row_stride + get<1>(cV(i))) =
+              pair(acc_dv(i), acc_dv(i + 1));
+        }
       }
     }
   }

@@ -21,22 +21,23 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-// Rows [0, rows) of a warpgroup's staged O (64 rows per 64-column box at `box`, boxes `box_step`
-// elements apart, swizzled as in swizzled_tile.hpp) to `out`, row 0's first column in global
-// memory, in 16-byte chunks by the warpgroup's 128 threads.
+// Rows [0, rows) of a warpgroup's staged O (64 rows per box of kVBoxCols columns at `box`, boxes
+// `box_step` elements apart, swizzled as in swizzled_tile.hpp) to `out`, row 0's first column in
+// global memory, in 16-byte chunks by the warpgroup's 128 threads.
 template <class T>
 __device__ __forceinline__ void copy_rows_out(typename T::Element const* box, int box_step,
                                               typename T::Element* out, int64_t row_stride, int rows, int thread) {
-  constexpr int kChunksPerRow = T::kBoxCols * int(sizeof(typename T::Element)) / 16;  // 8
+  constexpr int kBoxCols = T::kVBoxCols;
+  constexpr int kChunksPerRow = kBoxCols * int(sizeof(typename T::Element)) / 16;  // 8, or 4
   constexpr int kElemsPerChunk = 16 / int(sizeof(typename T::Element));
   CUTE_UNROLL
-  for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
+  for (int c = 0; c < T::kDimV / kBoxCols; ++c) {
     for (int i = thread % 128; i < rows * kChunksPerRow; i += 128) {
       const int r = i / kChunksPerRow;
       const int chunk = i % kChunksPerRow;
-      const uint4 value = *reinterpret_cast<uint4 const*>(box + c * box_step + r * T::kBoxCols +
-                                                          (chunk ^ (r % 8)) * kElemsPerChunk);
-      *reinterpret_cast<uint4*>(out + r * row_stride + c * T::kBoxCols + chunk * kElemsPerChunk) = value;
+      const uint4 value = *reinterpret_cast<uint4 const*>(box + c * box_step + r * kBoxCols +
+                                                          (chunk ^ row_swizzle<kBoxCols>(r)) * kElemsPerChunk);
+      *reinterpret_cast<uint4*>(out + r * row_stride + c * kBoxCols + chunk * kElemsPerChunk) = value;
     }
   }
 }
@@ -71,23 +72,24 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   }
   // Own O buffer: the leader's wait is done. Q's buffer: this warpgroup's last wgmma has read its rows.
   named_barrier_sync(1 + warpgroup, 128);
-  // The warpgroup's first 64-column box and the step between its boxes. In a K/V stage the
-  // warpgroup's 64 rows form a tile of their own: the fragment's row coordinates, which count
-  // from the work tile's first row, are offset back by the warpgroup's 64 rows (128 bytes each).
+  // The warpgroup's first box and the step between its boxes. In a K/V stage the warpgroup's 64
+  // rows form a tile of their own: the fragment's row coordinates, which count from the work
+  // tile's first row, are offset back by the warpgroup's 64 rows (a box row's bytes each).
+  constexpr int kBoxCols = T::kVBoxCols;
   Element* box;
   int box_step;
   if (in_stage) {
     box = warpgroup == 0 ? ss.k + last_stage * T::kElemsK : ss.v + last_stage * T::kElemsV;
-    box_step = 64 * T::kBoxCols;
-    store_fragment<64>(rO, cO, cute::cast_smem_ptr_to_uint(box) - warpgroup * 64 * 128);
+    box_step = 64 * kBoxCols;
+    store_fragment<64, kBoxCols>(rO, cO, cute::cast_smem_ptr_to_uint(box) - warpgroup * 64 * kBoxCols * 2);
   } else {
     Element* buffer = ss.q + q_slot * T::kElemsQ;
     if constexpr (T::kOwnO) {
       buffer = ss.o;
     }
-    box = buffer + warpgroup * 64 * T::kBoxCols;
-    box_step = T::kBlockM * T::kBoxCols;
-    store_fragment<T::kBlockM>(rO, cO, cute::cast_smem_ptr_to_uint(buffer));
+    box = buffer + warpgroup * 64 * kBoxCols;
+    box_step = T::kBlockM * kBoxCols;
+    store_fragment<T::kBlockM, kBoxCols>(rO, cO, cute::cast_smem_ptr_to_uint(buffer));
   }
   // Generic-proxy writes that the TMA engine reads next: fence, then gather the warpgroup.
   cutlass::arch::fence_view_async_shared();
@@ -101,8 +103,8 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
     copy_rows_out<T>(box, box_step, out, p.o_row_stride, rows, thread);
   } else if (leader && row >= 0 && (!T::kPacked || rows > 0)) {  // (a dense map clips rows past the end)
     CUTE_UNROLL
-    for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
-      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, box + c * box_step, c * T::kBoxCols, w.q_begin + row, w.head,
+    for (int c = 0; c < T::kDimV / kBoxCols; ++c) {
+      cute::SM90_TMA_STORE_4D::copy(&p.tma_o, box + c * box_step, c * kBoxCols, w.q_begin + row, w.head,
                                     w.entry);
     }
     cute::tma_store_arrive();

@@ -1,6 +1,6 @@
 // Hopper attention forward (sm_90a): a persistent, warp-specialized kernel. Warpgroup 0 is the
 // producer (one thread issues every TMA load); the other warpgroups consume, 64 query rows each,
-// with wgmma. Q, K and V arrive in 128-byte-swizzled shared memory through an mbarrier ring of
+// with wgmma. Q, K and V arrive in swizzled shared memory (head_boxes.hpp) through an mbarrier ring of
 // kStages K/V buffers; O leaves through TMA stores (staged in its own buffer where it fits, else in
 // the last key tile's K/V stage). See
 // docs/design.md, "Hopper forward kernel".

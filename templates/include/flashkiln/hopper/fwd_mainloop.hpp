@@ -124,11 +124,11 @@ __device__ __forceinline__ int warpgroup_key_tiles(HopperFwdParams const& p, Wor
 // past the last sequence, of any value) where a dense batch's TMA loads zero-fill: its scores are
 // masked, but P V would still multiply their values by zero (NaN stays NaN). So each consumer
 // warpgroup zeroes the V rows from `first` before its P V reads the stage. Both warpgroups write
-// the same zeros, so neither can see a value the other has not also written; whole 128-byte rows,
+// the same zeros, so neither can see a value the other has not also written; whole box rows,
 // which the swizzle only permutes within.
 template <class T>
 __device__ __forceinline__ void zero_v_rows(typename T::Element* stage, int first, int thread) {
-  zero_rows<T::kBlockN, T::kDimV>(stage, first, thread % 128);
+  zero_rows<T::kBlockN, T::kDimV, T::kVBoxCols>(stage, first, thread % 128);
   cutlass::arch::fence_view_async_shared();  // generic writes that wgmma reads next
   named_barrier_sync(1 + thread / 128, 128);
 }
@@ -196,9 +196,9 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
     }
     TxBarrier::arrive_and_expect_tx(&ss.q_full[slot], T::kBytesQ);
     CUTE_UNROLL
-    for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
-      tma_load(&p.tma_q, &ss.q_full[slot], ss.q + slot * T::kElemsQ + c * T::kBlockM * T::kBoxCols,
-               c * T::kBoxCols, t.w.q_begin + t.w.row0, t.w.head, t.w.entry);
+    for (int c = 0; c < T::kDimQK / T::kQKBoxCols; ++c) {
+      tma_load(&p.tma_q, &ss.q_full[slot], ss.q + slot * T::kElemsQ + c * T::kBlockM * T::kQKBoxCols,
+               c * T::kQKBoxCols, t.w.q_begin + t.w.row0, t.w.head, t.w.entry);
     }
   };
   // With two Q slots a tile is claimed and named during the last key tile of the one before:
@@ -239,9 +239,9 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       Barrier::wait(&ss.k_empty[kv.stage], kv.phase ^ 1);
       TxBarrier::arrive_and_expect_tx(&ss.k_full[kv.stage], T::kBytesK);
       CUTE_UNROLL
-      for (int c = 0; c < T::kDimQK / T::kBoxCols; ++c) {
-        tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * T::kBoxCols,
-                 c * T::kBoxCols, w.k_begin + (key0 + n_block) * T::kBlockN, head_kv, w.entry);
+      for (int c = 0; c < T::kDimQK / T::kQKBoxCols; ++c) {
+        tma_load(&p.tma_k, &ss.k_full[kv.stage], ss.k + kv.stage * T::kElemsK + c * T::kBlockN * T::kQKBoxCols,
+                 c * T::kQKBoxCols, w.k_begin + (key0 + n_block) * T::kBlockN, head_kv, w.entry);
       }
       if constexpr (T::kBias) {
         // A bias broadcast over query rows loads one row per box, into the box's first row.
@@ -258,9 +258,9 @@ __device__ __forceinline__ void produce(HopperFwdParams const& p, typename T::Sh
       auto load_v = [&] {
         TxBarrier::arrive_and_expect_tx(&ss.v_full[kv.stage], T::kBytesV);
         CUTE_UNROLL
-        for (int c = 0; c < T::kDimV / T::kBoxCols; ++c) {
-          tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kBoxCols,
-                   c * T::kBoxCols, w.k_begin + (key0 + n_block) * T::kBlockN, head_kv, w.entry);
+        for (int c = 0; c < T::kDimV / T::kVBoxCols; ++c) {
+          tma_load(&p.tma_v, &ss.v_full[kv.stage], ss.v + kv.stage * T::kElemsV + c * T::kBlockN * T::kVBoxCols,
+                   c * T::kVBoxCols, w.k_begin + (key0 + n_block) * T::kBlockN, head_kv, w.entry);
         }
       };
       if (!kNameAhead && n_block == n_blocks - 1) {

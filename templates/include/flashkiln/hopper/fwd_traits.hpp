@@ -1,5 +1,5 @@
-// Compile-time shape of one Hopper forward variant: warp roles, shared-memory layouts (128-byte
-// swizzled, as TMA writes them and wgmma reads them), the two warpgroup MMAs and the byte counts
+// Compile-time shape of one Hopper forward variant: warp roles, shared-memory layouts (swizzled
+// as TMA writes them and wgmma reads them: head dims by hopper/head_boxes.hpp, the bias by 128 bytes), the two warpgroup MMAs and the byte counts
 // the pipeline expects per TMA load. With kBias, a (tile_m, tile_n) tile of the additive bias
 // rides in every K/V stage, with barriers of its own. With kPacked, the kernel runs packed
 // variable-length batches (common/sequence.hpp) and only those; without, dense ones only.
@@ -9,6 +9,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
 #include <flashkiln/common/score_mods.hpp>
+#include <flashkiln/hopper/head_boxes.hpp>
 
 namespace flashkiln::hopper {
 
@@ -64,18 +65,22 @@ struct FwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");
-  // TMA boxes are 64 columns (128 bytes, one swizzle atom) wide.
+  // TMA boxes are one swizzle atom wide: the bias's 64 keys (128 bytes); Q and K's, V and O's
+  // columns by their head dims (head_boxes.hpp: 64, or 32 at d 96).
   static constexpr int kBoxCols = 64;
+  static constexpr int kQKBoxCols = head_box_cols(kDimQK);
+  static constexpr int kVBoxCols = head_box_cols(kDimV);
 
   static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups <= 3, "64 query rows per consumer warpgroup");
-  static_assert(kDimQK % kBoxCols == 0 && kDimV % kBoxCols == 0, "head dims in whole 128-byte swizzle atoms");
+  static_assert(kDimQK % kQKBoxCols == 0 && kDimV % kVBoxCols == 0, "head dims in whole swizzle atoms");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tile: wgmma N and the P V GEMM's k16 steps");
   static_assert(kStages >= 2, "at least a double-buffered K/V pipeline");
   static_assert(!kBias_ || kBlockN % kBoxCols == 0, "bias tiles load in whole 64-key boxes");
 
-  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows x 64 columns, 128-byte swizzle
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimQK>, Int<kStages>>{}));
-  using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kDimV>, Int<kStages>>{}));
+  using SmemAtomQK = BoxSmemAtom<Element, kQKBoxCols>;  // 8 rows x one box
+  using SmemAtomV = BoxSmemAtom<Element, kVBoxCols>;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomQK{}, Shape<Int<kBlockN>, Int<kDimQK>, Int<kStages>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockN>, Int<kDimV>, Int<kStages>>{}));
   // V read as the B operand of P V: (d_v, keys, stage), d_v contiguous (MN-major).
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
@@ -151,7 +156,7 @@ struct FwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   // Q as (rows, head dim, slot), like K's stages: a slot's wgmma descriptors are computed from
   // its index. A choice between two descriptor sets became a local-memory array in the d 64
   // kernels, read before every S.
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kDimQK>, Int<kQSlots>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQK{}, Shape<Int<kBlockM>, Int<kDimQK>, Int<kQSlots>>{}));
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kAlignSlack;
 };
 

@@ -1,6 +1,8 @@
 // A thread's wgmma accumulator entries in a shared-memory tile laid out as TMA reads and writes
 // it: (rows, cols) in 64-column boxes of 128 bytes, 128-byte swizzled, so that the byte offset of
-// (r, c) is (c / 64) * rows * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + (c % 8) * 2.
+// (r, c) is (c / 64) * rows * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + (c % 8) * 2; or, for
+// a head dim of 64-byte swizzled boxes (hopper/head_boxes.hpp: d 96), in 32-column boxes of 64
+// bytes, whose 16-byte chunk c % 32 / 8 is XORed with (r / 2) % 4 (kBoxCols = 32 below).
 //
 // A thread's entries sit at its first entry (r0, c0) plus row offsets that are multiples of 8 and
 // column offsets that are multiples of 8 (or the pair's second column), so r % 8 and c % 8 are the
@@ -21,15 +23,26 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
+// The swizzle of row r's 16-byte chunks in boxes of kBoxCols 2-byte columns: the TMA swizzle
+// XORs a chunk's index with address bits 7 and up, which hold r % 8 in 128-byte rows and
+// (r / 2) % 4 in 64-byte ones.
+template <int kBoxCols>
+__device__ __forceinline__ constexpr int row_swizzle(int r) {
+  static_assert(kBoxCols == 64 || kBoxCols == 32, "128- or 64-byte swizzled boxes of 2-byte entries");
+  return kBoxCols == 64 ? r % 8 : r / 2 % 4;
+}
+
 // The byte offset of entry (r, c) of a (kRows, cols) tile of 2-byte entries in this layout (one entry; SwizzledPairs for a fragment's).
-template <int kRows>
+template <int kRows, int kBoxCols = 64>
 __device__ __forceinline__ uint32_t swizzled_offset(int r, int c) {
-  return uint32_t((c / 64) * kRows * 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16 + (c % 8) * 2);
+  return uint32_t((c / kBoxCols) * kRows * kBoxCols * 2 + r * kBoxCols * 2 +
+                  ((c % kBoxCols / 8) ^ row_swizzle<kBoxCols>(r)) * 16 + (c % 8) * 2);
 }
 
 // Byte offsets of a thread's column pairs in a (kRows, cols) tile; `coords` is the MMA's C
-// partition of the tile's identity tensor. kRowBroadcast: every row reads row 0.
-template <int kRows, bool kRowBroadcast, class Coords>
+// partition of the tile's identity tensor. kRowBroadcast: every row reads row 0. Row offsets
+// that are multiples of 8 leave the row swizzle of either box width unchanged.
+template <int kRows, bool kRowBroadcast, class Coords, int kBoxCols = 64>
 struct SwizzledPairs {
   Coords const& coords;
   int r0, c0;
@@ -37,13 +50,13 @@ struct SwizzledPairs {
 
   __device__ __forceinline__ explicit SwizzledPairs(Coords const& coords_)
       : coords(coords_), r0(get<0>(coords_(0))), c0(get<1>(coords_(0))),
-        base(swizzled_offset<kRows>(kRowBroadcast ? 0 : r0, c0)) {}
+        base(swizzled_offset<kRows, kBoxCols>(kRowBroadcast ? 0 : r0, c0)) {}
 
   // Of the pair that starts at entry i (even); compile-time arithmetic on `base` once unrolled.
   __device__ __forceinline__ uint32_t operator()(int i) const {
     const int dr = kRowBroadcast ? 0 : get<0>(coords(i)) - r0;
     const int dc = get<1>(coords(i)) - c0;
-    return (dc / 64) * kRows * 128 + dr * 128 + (base ^ ((dc % 64 / 8) * 16));
+    return (dc / kBoxCols) * kRows * kBoxCols * 2 + dr * kBoxCols * 2 + (base ^ ((dc % kBoxCols / 8) * 16));
   }
 };
 
@@ -64,27 +77,29 @@ __device__ __forceinline__ void bias_tile_into(Acc& acc, Coords const& coords, u
   }
 }
 
-// Zeroes rows [first, kRows) of a (kRows, kCols) tile of 2-byte elements in this layout, in whole
-// 128-byte rows (the swizzle only permutes chunks within a row), spread over the 128 threads of a
-// warpgroup (`thread` counts within it). The caller fences and synchronizes before wgmma reads it.
-template <int kRows, int kCols, class Element>
+// Zeroes rows [first, kRows) of a (kRows, kCols) tile of 2-byte elements in boxes of kBoxCols
+// columns (this layout's 64, or a 64-byte swizzled tile's 32), in whole box rows (a swizzle only
+// permutes the 16-byte chunks within one), spread over the 128 threads of a warpgroup (`thread`
+// counts within it). The caller fences and synchronizes before wgmma reads it.
+template <int kRows, int kCols, int kBoxCols, class Element>
 __device__ __forceinline__ void zero_rows(Element* tile, int first, int thread) {
-  static_assert(sizeof(Element) == 2 && kCols % 64 == 0, "64-column boxes of 2-byte elements");
-  constexpr int kChunksPerRow = 128 / 16;
+  static_assert(sizeof(Element) == 2 && kCols % kBoxCols == 0 && kBoxCols % 8 == 0, "whole boxes of 2-byte elements");
+  constexpr int kChunksPerRow = kBoxCols * 2 / 16;
   CUTE_UNROLL
-  for (int c = 0; c < kCols / 64; ++c) {
-    uint4* box = reinterpret_cast<uint4*>(tile + c * kRows * 64);
+  for (int c = 0; c < kCols / kBoxCols; ++c) {
+    uint4* box = reinterpret_cast<uint4*>(tile + c * kRows * kBoxCols);
     for (int i = first * kChunksPerRow + thread; i < kRows * kChunksPerRow; i += 128) {
       box[i] = make_uint4(0, 0, 0, 0);
     }
   }
 }
 
-// The fragment `frag` (2-byte entries, accumulator layout) into the tile at shared address `tile`.
-template <int kRows, class Frag, class Coords>
+// The fragment `frag` (2-byte entries, accumulator layout) into the tile at shared address `tile`,
+// in boxes of kBoxCols columns.
+template <int kRows, int kBoxCols = 64, class Frag, class Coords>
 __device__ __forceinline__ void store_fragment(Frag const& frag, Coords const& coords, uint32_t tile) {
   static_assert(sizeof(typename Frag::value_type) == 2, "pairs of 2-byte entries");
-  const SwizzledPairs<kRows, false, Coords> offset(coords);
+  const SwizzledPairs<kRows, false, Coords, kBoxCols> offset(coords);
   CUTE_UNROLL
   for (int i = 0; i < size(frag); i += 2) {
     store_shared_u32_at(tile + offset(i), *reinterpret_cast<uint32_t const*>(&frag(i)));

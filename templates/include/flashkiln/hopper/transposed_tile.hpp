@@ -25,10 +25,11 @@ __device__ __forceinline__ void load_blocks_transposed(uint32_t address, uint32_
 }
 
 // The bias tile at shared address `tile`, a (kRows query rows, keys) tile, divided by the scale and
-// added to acc, a transposed (keys, rows) accumulator (S^T): each of a lane's (key, row pair) is
-// what ldmatrix.trans hands it of an 8 x 8 block of 8 rows by 8 keys (load_blocks_transposed), so
+// added to acc, a transposed (keys, rows) accumulator (S^T) of kFragRows of the rows (all, or a
+// warpgroup's part where the warpgroups split them): each of a lane's (key, row pair) is what
+// ldmatrix.trans hands it of an 8 x 8 block of 8 rows by 8 keys (load_blocks_transposed), so
 // 8 x 4 blocks per warp come in 4 loads. kRowBroadcast: every row reads row 0, one 2-byte load per key.
-template <int kRows, bool kRowBroadcast, class Element, class Acc, class Coords>
+template <int kRows, int kFragRows, bool kRowBroadcast, class Element, class Acc, class Coords>
 __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coords, uint32_t tile, float inv_scale) {
   static_assert(sizeof(Element) == 2, "2-byte entries");
   const int k0 = get<0>(coords(0));
@@ -42,16 +43,17 @@ __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coo
       acc(i) = fmaf(float(reinterpret_cast<Element const&>(raw)), inv_scale, acc(i));
     }
   } else {
-    static_assert(kRows % 32 == 0, "whole loads of 4 row blocks");
+    static_assert(kFragRows % 32 == 0 && kRows % kFragRows == 0, "whole loads of 4 row blocks");
+    const int row_base = kFragRows == kRows ? 0 : r0 - r0 % 8;  // r0 less the lane's own 2 (l % 4)
     const int lane = threadIdx.x % 32;
     const int chunk = (k0 % 64) / 16 * 2;  // the warp's first 8 keys, as a 16-byte chunk of a row
     cutlass::NumericArrayConverter<float, Element, 2> convert;
     CUTE_UNROLL
     for (int g = 0; g < 2; ++g) {  // keys k0 + 8 g, one at a time to keep few registers live
-      uint32_t pairs[kRows / 8];   // rows r0 + 8 j + {0, 1}
+      uint32_t pairs[kFragRows / 8];  // rows r0 + 8 j + {0, 1}
       CUTE_UNROLL
-      for (int h = 0; h < kRows / 32; ++h) {
-        const int row = (4 * h + lane / 8) * 8 + lane % 8;
+      for (int h = 0; h < kFragRows / 32; ++h) {
+        const int row = row_base + (4 * h + lane / 8) * 8 + lane % 8;
         uint32_t (&out)[4] = *reinterpret_cast<uint32_t(*)[4]>(&pairs[4 * h]);
         load_blocks_transposed(box + row * 128 + (((chunk + g) ^ (row % 8)) * 16), out);
       }
