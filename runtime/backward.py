@@ -275,8 +275,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     backend: the kernel family, as attention_forward's (flashkiln.families); None takes the best
     that has backward kernels for the call (the hopper family, then the portable one: the hopper
-    backward has head dims 64, 128 and 256). Plans
-    are cached per call key (flashkiln.plan_cache): a repeated call runs only its launches.
+    backward has head dims 64, 96, 128, 192/128 and 256). Plans are cached per call key
+    (flashkiln.plan_cache): a repeated call runs only its launches.
     """
     key = None
     if dq is None and dk is None and dv is None:
