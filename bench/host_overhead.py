@@ -4,7 +4,9 @@ B = 1, H = 1, S = 128, d = 64, bf16: the device work is a few microseconds, so 1
 synchronize at the end measure what the host spends per call (Python, checks, lookups, launches).
 Rows: the forward alone and forward + backward through autograd, per family for flashkiln; the SDPA
 forward on inputs that need no gradient (no autograd.Function); the backward alone, beside torch's
-flash backward op called directly.
+flash backward op called directly. The rows take turns, one loop of 1000 calls each per round, so
+that a slow stretch of a shared host falls on every row alike; each row reports the minimum and the
+median of its rounds' µs per call (the minimum is the least disturbed).
 
 Usage (on a GPU machine): tools/pyenv.sh python3 bench/host_overhead.py --out build/bench-host
 """
@@ -29,23 +31,42 @@ import flashkiln
 from flashkiln import backward, families, forward
 
 CALLS = 1000
-
-
-REPEATS = 5  # the median of this many loops of CALLS calls (the host's timings drift between loops)
+ROUNDS = 7
 
 
 def per_call_us(fn: Callable[[], object], calls: int = CALLS) -> float:
+    """µs per call of one loop of `calls` calls of fn (after a warm-up), synchronized at both ends."""
     for _ in range(20):
         fn()
-    loops = []
-    for _ in range(REPEATS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        loops.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(loops)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+@dataclasses.dataclass
+class Row:
+    """A timed call, the context it runs in (entered afresh each round, plan caches emptied first
+    where it changes what a call plans) and its rounds' µs per call."""
+
+    name: str
+    fn: Callable[[], object]
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    replan: bool = False
+    samples: list[float] = dataclasses.field(default_factory=list)
+
+
+def interleaved(rows: list[Row], rounds: int = ROUNDS) -> None:
+    """Each round times every row once, in order."""
+    for _ in range(rounds):
+        for row in rows:
+            if row.replan:
+                forward.PLANS.clear()
+                backward.PLANS.clear()
+            with row.context():
+                row.samples.append(per_call_us(row.fn))
 
 
 class _AllocateOnly(torch.autograd.Function):
@@ -90,42 +111,41 @@ def main() -> None:
     def train(attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
         return training_step(attend, leaves, dout)
 
-    rows = []
     out, lse = flashkiln.attention_forward(q, k, v)
+    rows = []
     for family in args.families:
-        rows.append((f"flashkiln.attention_forward (backend={family})",
-                     per_call_us(lambda: flashkiln.attention_forward(q, k, v, backend=family))))
+        rows.append(Row(f"flashkiln.attention_forward (backend={family})",
+                        lambda family=family: flashkiln.attention_forward(q, k, v, backend=family)))
         # SDPA has no backend argument: auto picks hopper on an H200 (forward and backward); force
         # the other family by making the hopper family refuse the GPU (and plan afresh).
         refuse = dataclasses.replace(families.FAMILIES["hopper"], runs_on=lambda capability: "forced portable")
-        forced = mock.patch.dict(families.FAMILIES, {"hopper": refuse}) if family == "portable" \
-            else contextlib.nullcontext()
-        forward.PLANS.clear()
-        with forced:
-            rows.append((f"flashkiln.scaled_dot_product_attention fwd + bwd ({family} family)",
-                         per_call_us(train(flashkiln.scaled_dot_product_attention))))
-        forward.PLANS.clear()
-        backward.PLANS.clear()
-    rows.append(("flashkiln.scaled_dot_product_attention, forward",
-                 per_call_us(lambda: flashkiln.scaled_dot_product_attention(q, k, v))))
+        forced = (lambda refuse=refuse: mock.patch.dict(families.FAMILIES, {"hopper": refuse})) \
+            if family == "portable" else contextlib.nullcontext
+        rows.append(Row(f"flashkiln.scaled_dot_product_attention fwd + bwd ({family} family)",
+                        train(flashkiln.scaled_dot_product_attention), forced, replan=True))
+    rows.append(Row("flashkiln.scaled_dot_product_attention, forward",
+                    lambda: flashkiln.scaled_dot_product_attention(q, k, v), replan=True))
     for family in args.families:
-        rows.append((f"flashkiln.attention_backward (backend={family})",
-                     per_call_us(lambda: flashkiln.attention_backward(dout, q, k, v, out, lse, backend=family))))
-    backward.PLANS.clear()
-    rows.append(("floor: a Python autograd.Function that only allocates, fwd + bwd",
-                 per_call_us(train(_AllocateOnly.apply))))
+        rows.append(Row(f"flashkiln.attention_backward (backend={family})",
+                        lambda family=family: flashkiln.attention_backward(dout, q, k, v, out, lse, backend=family)))
+    rows.append(Row("floor: a Python autograd.Function that only allocates, fwd + bwd", train(_AllocateOnly.apply)))
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        with sdpa_kernel(backend):
-            rows.append((f"torch SDPA {name}, forward", per_call_us(lambda: F.scaled_dot_product_attention(q, k, v))))
-            rows.append((f"torch SDPA {name}, fwd + bwd", per_call_us(train(F.scaled_dot_product_attention))))
-    rows.append(("torch's flash backward op, no autograd (aten)", per_call_us(_torch_flash_backward(q, k, v, dout))))
-    table = "\n".join(["| call | host µs per call |", "|---|---|"] + [f"| {n} | {us:.0f} |" for n, us in rows])
+        rows.append(Row(f"torch SDPA {name}, forward", lambda: F.scaled_dot_product_attention(q, k, v),
+                        lambda backend=backend: sdpa_kernel(backend)))
+        rows.append(Row(f"torch SDPA {name}, fwd + bwd", train(F.scaled_dot_product_attention),
+                        lambda backend=backend: sdpa_kernel(backend)))
+    rows.append(Row("torch's flash backward op, no autograd (aten)", _torch_flash_backward(q, k, v, dout)))
+    interleaved(rows)
+    table = "\n".join(["| call | host µs per call (min) | median |", "|---|---|---|"]
+                      + [f"| {r.name} | {min(r.samples):.0f} | {statistics.median(r.samples):.0f} |" for r in rows])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host.md").write_text(table + "\n")
     (args.out / "host.json").write_text(json.dumps({
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": "B=1 H=1 S=128 d=64 bf16",
-        "calls": CALLS, "rows": [{"call": n, "us": us} for n, us in rows]}, indent=1))
+        "calls": CALLS, "rounds": ROUNDS,
+        "rows": [{"call": r.name, "us": min(r.samples), "median_us": statistics.median(r.samples),
+                  "samples_us": r.samples} for r in rows]}, indent=1))
     print(table)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -34,7 +35,7 @@ def main() -> None:
 
     def row(name: str, fn: Callable[[], object]) -> None:
         try:
-            rows.append((name, per_call_us(fn)))
+            rows.append((name, statistics.median(per_call_us(fn) for _ in range(5))))
         except Exception as exc:  # a part that fails is reported, the others still run
             rows.append((f"{name} (failed: {type(exc).__name__}: {exc})", float("nan")))
         print(f"{rows[-1][1]:8.1f}  {rows[-1][0]}", flush=True)
