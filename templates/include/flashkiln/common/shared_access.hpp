@@ -1,4 +1,4 @@
-// 2- and 4-byte shared-memory accesses by 32-bit shared address (cute::cast_smem_ptr_to_uint). CuTe
+// 2-, 4- and 16-byte shared-memory accesses by 32-bit shared address (cute::cast_smem_ptr_to_uint). CuTe
 // swizzles a shared pointer by rewriting its integer value; the compiler then no longer knows the
 // pointer is shared and emits generic LD.E / ST.E (64-bit address math, the generic path). These
 // go through the shared window explicitly. Volatile: they must stay ordered with the mbarrier
@@ -20,6 +20,14 @@ __device__ __forceinline__ uint32_t load_shared_u32_at(uint32_t address) {
 __device__ __forceinline__ uint16_t load_shared_u16_at(uint32_t address) {
   uint16_t value;
   asm volatile("ld.shared.b16 %0, [%1];" : "=h"(value) : "r"(address));
+  return value;
+}
+
+__device__ __forceinline__ uint4 load_shared_u128_at(uint32_t address) {
+  uint4 value;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+               : "r"(address));
   return value;
 }
 

@@ -330,6 +330,25 @@ __device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int 
   }
 }
 
+// A (kBlockN, kDim) tile of 2-byte elements at shared address `tile`, in boxes of kBoxCols columns
+// (hopper/swizzled_tile.hpp), to its first `rows` rows at `out` (row stride `row_stride`), by the
+// consumer threads in 16-byte pieces. `out` and the stride are 16-byte aligned: the runtime passes
+// dK and dV in a kernel layout (inputs.is_kernel_layout).
+template <class T, int kDim, int kBoxCols, class Element>
+__device__ __forceinline__ void copy_rows_out(uint32_t tile, Element* out, int64_t row_stride, int rows, int thread) {
+  constexpr int kChunks = kDim / 8;
+  static_assert(sizeof(Element) == 2 && T::kBlockN * kChunks % T::kConsumerThreads == 0, "whole rounds of pieces");
+  CUTE_UNROLL
+  for (int j = 0; j < T::kBlockN * kChunks / T::kConsumerThreads; ++j) {
+    const int piece = j * T::kConsumerThreads + thread;
+    const int r = piece / kChunks, c = piece % kChunks * 8;
+    if (r < rows) {
+      *reinterpret_cast<uint4*>(out + r * row_stride + c) =
+          load_shared_u128_at(tile + swizzled_offset<T::kBlockN, kBoxCols>(r, c));
+    }
+  }
+}
+
 // kSinkGrad: the call wants dSink's sums (p.dsink_parts). A template parameter, chosen once per CTA
 // (bwd_kernel), not a branch in the loop (docs/perf.md, v19).
 template <class T, bool kSinkGrad>
@@ -735,28 +754,20 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
   }
 
-  // dK (scaled) and dV of this warpgroup's keys: in the element type by the output strides, or
-  // (GQA) in fp32 per query head, which the runtime sums over each group. Entry i of either
-  // fragment holds the same key (m64 accumulators over the warpgroup's keys); where d_qk and d_v
-  // differ, one fragment has fewer entries.
+  // dK (scaled) and dV of the key tile: in the element type by the output strides, or (GQA) in
+  // fp32 per query head, which the runtime sums over each group.
   Tensor cK = thr_dk.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDimQK>>{}));
   Tensor cV = thr_dv.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDimV>>{}));
-  constexpr int kEntriesK = decltype(size(acc_dk))::value;
-  constexpr int kEntriesV = decltype(size(acc_dv))::value;
-  const bool gqa = p.dk_accum != 0;
-  const int head_kv = head / (p.heads_q / p.heads_kv);
-  const int64_t dk_base = s.k_offset(p.dk_batch_stride, p.dk_row_stride) + head_kv * p.dk_head_stride;
-  const int64_t dv_base = s.k_offset(p.dv_batch_stride, p.dv_row_stride) + head_kv * p.dv_head_stride;
-  auto pair = [](float x, float y) {
-    cutlass::NumericArrayConverter<Element, float, 2> convert;
-    return convert(cutlass::Array<float, 2>{x, y});
-  };
-  CUTE_UNROLL
-  for (int i = 0; i < (kEntriesK > kEntriesV ? kEntriesK : kEntriesV); i += 2) {
-    const bool has_dk = i < kEntriesK, has_dv = i < kEntriesV;  // compile-time once unrolled
-    const int key = key0 + (has_dk ? get<0>(cK(i)) : get<0>(cV(i)));
-    if (key < s.seqlen_k) {
-      if (gqa) {
+  if (p.dk_accum != 0) {
+    // Entry i of either fragment holds the same key (m64 accumulators over the warpgroup's keys);
+    // where d_qk and d_v differ, one fragment has fewer entries.
+    constexpr int kEntriesK = decltype(size(acc_dk))::value;
+    constexpr int kEntriesV = decltype(size(acc_dv))::value;
+    CUTE_UNROLL
+    for (int i = 0; i < (kEntriesK > kEntriesV ? kEntriesK : kEntriesV); i += 2) {
+      const bool has_dk = i < kEntriesK, has_dv = i < kEntriesV;  // compile-time once unrolled
+      const int key = key0 + (has_dk ? get<0>(cK(i)) : get<0>(cV(i)));
+      if (key < s.seqlen_k) {
         if (has_dk) {
           *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dk_accum) +
                                      (s.k_row(p, head) + key) * T::kDimQK + get<1>(cK(i))) =
@@ -767,20 +778,32 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
                                      (s.k_row(p, head) + key) * T::kDimV + get<1>(cV(i))) =
               make_float2(acc_dv(i), acc_dv(i + 1));
         }
-      } else {
-        if (has_dk) {
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dk) + dk_base +
-                                                         key * p.dk_row_stride + get<1>(cK(i))) =
-              pair(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
-        }
-        if (has_dv) {
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(reinterpret_cast<Element*>(p.dv) + dv_base +
-                                                         key * p.dv_row_stride + get<1>(cV(i))) =
-              pair(acc_dv(i), acc_dv(i + 1));
-        }
       }
     }
+    return;
   }
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) {
+    acc_dk(i) *= p.scale;
+  }
+  // Through the K and V tiles' buffers (every consumer's GEMMs have read them once all have left
+  // the loop), so that a warp writes whole rows in 16-byte pieces: from the fragments directly,
+  // a warp's store covers 8 rows in 16-byte halves of 32-byte sectors.
+  const uint32_t k_tile = cute::cast_smem_ptr_to_uint(ss.k), v_tile = cute::cast_smem_ptr_to_uint(ss.v);
+  named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  store_fragment<T::kBlockN, T::kQKBoxCols>(convert_fragment<Element>(acc_dk), cK, k_tile);
+  store_fragment<T::kBlockN, T::kVBoxCols>(convert_fragment<Element>(acc_dv), cV, v_tile);
+  named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  const int head_kv = head / (p.heads_q / p.heads_kv);
+  const int rows = min(s.seqlen_k - key0, T::kBlockN);
+  copy_rows_out<T, T::kDimQK, T::kQKBoxCols>(
+      k_tile, reinterpret_cast<Element*>(p.dk) + s.k_offset(p.dk_batch_stride, p.dk_row_stride) +
+                  head_kv * p.dk_head_stride + int64_t(key0) * p.dk_row_stride,
+      p.dk_row_stride, rows, thread);
+  copy_rows_out<T, T::kDimV, T::kVBoxCols>(
+      v_tile, reinterpret_cast<Element*>(p.dv) + s.k_offset(p.dv_batch_stride, p.dv_row_stride) +
+                  head_kv * p.dv_head_stride + int64_t(key0) * p.dv_row_stride,
+      p.dv_row_stride, rows, thread);
 }
 
 template <class T>
