@@ -3,9 +3,9 @@
 CuTe's host-side TMA helpers are not available under NVRTC, so the runtime builds the maps: a
 (B, H, S, d) tensor with a contiguous head dim becomes a 4-d map (d, S, H, B) with byte strides,
 read and written in boxes of `head_box_cols(d, parts)` columns (one swizzle atom: 128 bytes, or 64
-where the columns each consumer warpgroup takes are not a multiple of 64) by `rows` rows. Rows past S are zero-filled on loads and dropped on
-stores, so tiles never reach into the next head. A bias (B, H_q, S_q, S_k) maps the same way, its
-keys as the columns, in boxes of 64.
+where the columns each consumer warpgroup takes are not a multiple of 64) by `rows` rows. Rows
+past S are zero-filled on loads and dropped on stores, so tiles never reach into the next head. A
+bias (B, H_q, S_q, S_k) maps the same way, its keys as the columns, in boxes of 64.
 """
 from __future__ import annotations
 

@@ -3,11 +3,11 @@
 Forward (hopper/fwd_*.hpp): one producer warpgroup and one consumer warpgroup per 64 query rows;
 K/V (and bias tiles, with a bias) stream through a ring of `stages` shared-memory buffers.
 Backward (hopper/bwd_*.hpp): a CTA per key tile of tile_n keys and two consumer warpgroups, which
-split it by keys (tile_n 128, 64 each) or, at d 256 and 192/128, by dK's and dV's columns (tile_n
-64), Q and dO of tile_m rows streaming through `stages` buffers; its postprocess (bwd_post) reads the main
-kernel's dQ accumulator in 64-row tiles whose column parts follow the head dim alone. The
-preprocess is the portable family's (bwd_pre). The formulas here are static_asserted by the C++
-side (threads, shared-memory bytes), like the portable family's.
+split it by keys (tile_n 128, 64 each) or, at d 256 and 192/128, by dK's and dV's columns
+(tile_n 64), Q and dO of tile_m rows streaming through `stages` buffers; its postprocess
+(bwd_post) reads the main kernel's dQ accumulator in 64-row tiles whose column parts follow the
+head dim alone. The preprocess is the portable family's (bwd_pre). The formulas here are
+static_asserted by the C++ side (threads, shared-memory bytes), like the portable family's.
 """
 from __future__ import annotations
 
