@@ -1,5 +1,5 @@
-"""The hopper kernels' hand-written tile arithmetic (hopper/swizzled_tile.hpp, the forward's copy of
-O in fwd_epilogue.hpp, bwd_dq_tiles.hpp) against CuTe's layouts of the same tiles, on the host:
+"""The hopper kernels' hand-written tile arithmetic (hopper/swizzled_tile.hpp with its row copy,
+bwd_dq_tiles.hpp) against CuTe's layouts of the same tiles, on the host:
 tests/host/tile_layouts.cpp, built with the host C++ compiler and the generator's include dirs,
 checks every tile shape the kernels build.
 

@@ -18,6 +18,16 @@
 static uint3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
 
+// Shared addresses are byte offsets into `shared_window`.
+#define FLASHKILN_HOST_SHARED_ACCESS
+namespace flashkiln {
+static char* shared_window;
+inline uint32_t load_shared_u32_at(uint32_t address) { uint32_t v; memcpy(&v, shared_window + address, 4); return v; }
+inline uint16_t load_shared_u16_at(uint32_t address) { uint16_t v; memcpy(&v, shared_window + address, 2); return v; }
+inline uint4 load_shared_u128_at(uint32_t address) { uint4 v; memcpy(&v, shared_window + address, 16); return v; }
+inline void store_shared_u32_at(uint32_t address, uint32_t value) { memcpy(shared_window + address, &value, 4); }
+}  // namespace flashkiln
+
 #include <flashkiln/hopper/bwd_dq_tiles.hpp>
 #include <flashkiln/hopper/fwd_epilogue.hpp>
 #include <flashkiln/hopper/head_boxes.hpp>
@@ -41,7 +51,7 @@ struct FragmentCoords {
   auto operator()(int i) const { return cute::make_tuple(r0 + 8 * (i / 2 % 2), c0 + i % 2 + 8 * (i / 4)); }
 };
 
-// swizzled_offset, SwizzledPairs, zero_rows and the forward's copy_rows_out against the TMA/wgmma
+// swizzled_offset, SwizzledPairs, zero_rows and copy_rows_out against the TMA/wgmma
 // layout of a (kRows, kCols) tile of 2-byte entries in swizzled boxes of kBoxCols columns
 // (head_boxes.hpp: 128-byte boxes of 64, or 64-byte ones of 32).
 template <int kRows, int kCols, int kBoxCols>
@@ -78,29 +88,45 @@ void check_swizzled_tile() {
       }
     }
   }
-  // A packed forward's O: each warpgroup's 64 rows of a staged (kRows, kCols) tile, copied out by
-  // rows through the swizzle (the warpgroup's first box starts at its first row).
-  struct Traits {
-    using Element = Elem;
-    static constexpr int kVBoxCols = kBoxCols;
-    static constexpr int kDimV = kCols;
-  };
+  // copy_rows_out: as the packed forward copies O (each warpgroup's 64 rows of the staged tile, its
+  // first box at its first row, by its 128 threads), and as the backward copies dK and dV (the
+  // tile's first rows, by 256 threads), into rows of a wider output.
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < kCols; ++c) {
       const uint16_t value = uint16_t(r * kCols + c);
       memcpy(raw_pointer_cast(&tile(r, c)), &value, 2);
     }
   }
-  static uint16_t out[64 * kCols];
-  for (int rows = 0; rows < kRows; rows += 64) {
-    memset(out, 0, sizeof(out));
-    for (int t = 0; t < 128; ++t) {
-      copy_rows_out<Traits>(buffer + rows * kBoxCols, kRows * kBoxCols, reinterpret_cast<Elem*>(out), kCols, 64, t);
-    }
-    for (int r = 0; r < 64; ++r) {
-      for (int c = 0; c < kCols; ++c) {
-        ok &= out[r * kCols + c] == uint16_t((rows + r) * kCols + c);
+  flashkiln::shared_window = reinterpret_cast<char*>(buffer);
+  constexpr int kOutStride = kCols + 8;
+  static uint16_t out[kRows * kOutStride];
+  auto copied = [&](int first_row, int rows) {
+    bool same = true;
+    for (int r = 0; r < kRows; ++r) {
+      for (int c = 0; c < kOutStride; ++c) {
+        same &= out[r * kOutStride + c] == (r < rows && c < kCols ? uint16_t((first_row + r) * kCols + c) : 0xffff);
       }
+    }
+    return same;
+  };
+  for (int first = 0; first < kRows; first += 64) {
+    for (int rows : {1, 7, 63, 64}) {
+      memset(out, 0xff, sizeof(out));
+      for (int t = 0; t < 128; ++t) {
+        copy_rows_out<64, kCols, kBoxCols, 128>(first * kBoxCols * 2, kRows * kBoxCols * 2,
+                                                reinterpret_cast<Elem*>(out), kOutStride, rows, t);
+      }
+      ok &= copied(first, rows);
+    }
+  }
+  if constexpr (kRows * kCols / 8 % 256 == 0) {
+    for (int rows : {1, 17, kRows - 1, kRows}) {
+      memset(out, 0xff, sizeof(out));
+      for (int t = 0; t < 256; ++t) {
+        copy_rows_out<kRows, kCols, kBoxCols, 256>(0, kRows * kBoxCols * 2, reinterpret_cast<Elem*>(out), kOutStride,
+                                                   rows, t);
+      }
+      ok &= copied(0, rows);
     }
   }
   report(ok, "swizzled tile", kRows, kCols);

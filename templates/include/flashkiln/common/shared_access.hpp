@@ -10,6 +10,9 @@
 
 namespace flashkiln {
 
+// tests/host/tile_layouts.cpp defines FLASHKILN_HOST_SHARED_ACCESS and these four functions over a
+// host buffer, to check the kernels' shared-memory arithmetic without a GPU.
+#ifndef FLASHKILN_HOST_SHARED_ACCESS
 // `address`: in the shared window (cute::cast_smem_ptr_to_uint).
 __device__ __forceinline__ uint32_t load_shared_u32_at(uint32_t address) {
   uint32_t value;
@@ -34,5 +37,6 @@ __device__ __forceinline__ uint4 load_shared_u128_at(uint32_t address) {
 __device__ __forceinline__ void store_shared_u32_at(uint32_t address, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(value) : "memory");
 }
+#endif
 
 }  // namespace flashkiln

@@ -330,25 +330,6 @@ __device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int 
   }
 }
 
-// A (kBlockN, kDim) tile of 2-byte elements at shared address `tile`, in boxes of kBoxCols columns
-// (hopper/swizzled_tile.hpp), to its first `rows` rows at `out` (row stride `row_stride`), by the
-// consumer threads in 16-byte pieces. `out` and the stride are 16-byte aligned: the runtime passes
-// dK and dV in a kernel layout (inputs.is_kernel_layout).
-template <class T, int kDim, int kBoxCols, class Element>
-__device__ __forceinline__ void copy_rows_out(uint32_t tile, Element* out, int64_t row_stride, int rows, int thread) {
-  constexpr int kChunks = kDim / 8;
-  static_assert(sizeof(Element) == 2 && T::kBlockN * kChunks % T::kConsumerThreads == 0, "whole rounds of pieces");
-  CUTE_UNROLL
-  for (int j = 0; j < T::kBlockN * kChunks / T::kConsumerThreads; ++j) {
-    const int piece = j * T::kConsumerThreads + thread;
-    const int r = piece / kChunks, c = piece % kChunks * 8;
-    if (r < rows) {
-      *reinterpret_cast<uint4*>(out + r * row_stride + c) =
-          load_shared_u128_at(tile + swizzled_offset<T::kBlockN, kBoxCols>(r, c));
-    }
-  }
-}
-
 // kSinkGrad: the call wants dSink's sums (p.dsink_parts). A template parameter, chosen once per CTA
 // (bwd_kernel), not a branch in the loop (docs/perf.md, v19).
 template <class T, bool kSinkGrad>
@@ -796,12 +777,13 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   const int head_kv = head / (p.heads_q / p.heads_kv);
   const int rows = min(s.seqlen_k - key0, T::kBlockN);
-  copy_rows_out<T, T::kDimQK, T::kQKBoxCols>(
-      k_tile, reinterpret_cast<Element*>(p.dk) + s.k_offset(p.dk_batch_stride, p.dk_row_stride) +
+  // (dK and dV come in a kernel layout: 16-byte aligned rows, inputs.is_kernel_layout.)
+  copy_rows_out<T::kBlockN, T::kDimQK, T::kQKBoxCols, T::kConsumerThreads>(
+      k_tile, T::kBlockN * T::kQKBoxCols * 2, reinterpret_cast<Element*>(p.dk) + s.k_offset(p.dk_batch_stride, p.dk_row_stride) +
                   head_kv * p.dk_head_stride + int64_t(key0) * p.dk_row_stride,
       p.dk_row_stride, rows, thread);
-  copy_rows_out<T, T::kDimV, T::kVBoxCols>(
-      v_tile, reinterpret_cast<Element*>(p.dv) + s.k_offset(p.dv_batch_stride, p.dv_row_stride) +
+  copy_rows_out<T::kBlockN, T::kDimV, T::kVBoxCols, T::kConsumerThreads>(
+      v_tile, T::kBlockN * T::kVBoxCols * 2, reinterpret_cast<Element*>(p.dv) + s.k_offset(p.dv_batch_stride, p.dv_row_stride) +
                   head_kv * p.dv_head_stride + int64_t(key0) * p.dv_row_stride,
       p.dv_row_stride, rows, thread);
 }

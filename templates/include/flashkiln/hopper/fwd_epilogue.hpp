@@ -21,27 +21,6 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-// Rows [0, rows) of a warpgroup's staged O (64 rows per box of kVBoxCols columns at `box`, boxes
-// `box_step` elements apart, swizzled as in swizzled_tile.hpp) to `out`, row 0's first column in
-// global memory, in 16-byte chunks by the warpgroup's 128 threads.
-template <class T>
-__device__ __forceinline__ void copy_rows_out(typename T::Element const* box, int box_step,
-                                              typename T::Element* out, int64_t row_stride, int rows, int thread) {
-  constexpr int kBoxCols = T::kVBoxCols;
-  constexpr int kChunksPerRow = kBoxCols * int(sizeof(typename T::Element)) / 16;  // 8, or 4
-  constexpr int kElemsPerChunk = 16 / int(sizeof(typename T::Element));
-  CUTE_UNROLL
-  for (int c = 0; c < T::kDimV / kBoxCols; ++c) {
-    for (int i = thread % 128; i < rows * kChunksPerRow; i += 128) {
-      const int r = i / kChunksPerRow;
-      const int chunk = i % kChunksPerRow;
-      const uint4 value = *reinterpret_cast<uint4 const*>(box + c * box_step + r * kBoxCols +
-                                                          (chunk ^ row_swizzle<kBoxCols>(r)) * kElemsPerChunk);
-      *reinterpret_cast<uint4*>(out + r * row_stride + c * kBoxCols + chunk * kElemsPerChunk) = value;
-    }
-  }
-}
-
 // last_stage: the stage of the tile's last key tile (-1: none), where O is staged without a buffer
 // of its own once every consumer is done reading it (stage_read, whose phase the caller keeps);
 // q_slot: the tile's Q slot, where a tile without keys stages its zeros without an O buffer.
@@ -100,7 +79,8 @@ __device__ __forceinline__ void store_tile(HopperFwdParams const& p, typename T:
   const int rows = min(seqlen_q - row, 64);
   if (T::kPacked && 0 < rows && rows < 64) {
     auto out = reinterpret_cast<Element*>(p.o) + (int64_t(w.q_begin) + row) * p.o_row_stride + w.head * p.o_head_stride;
-    copy_rows_out<T>(box, box_step, out, p.o_row_stride, rows, thread);
+    copy_rows_out<64, T::kDimV, kBoxCols, 128>(cute::cast_smem_ptr_to_uint(box), box_step * 2, out, p.o_row_stride,
+                                               rows, thread % 128);
   } else if (leader && row >= 0 && (!T::kPacked || rows > 0)) {  // (a dense map clips rows past the end)
     CUTE_UNROLL
     for (int c = 0; c < T::kDimV / kBoxCols; ++c) {

@@ -32,11 +32,18 @@ __device__ __forceinline__ constexpr int row_swizzle(int r) {
   return kBoxCols == 64 ? r % 8 : r / 2 % 4;
 }
 
+// The byte offset of entry (r, c) in this layout, with consecutive boxes `box_bytes` apart (a
+// tile's box holds all its rows; a run of rows in a taller tile's boxes keeps their stride).
+template <int kBoxCols>
+__device__ __forceinline__ uint32_t box_offset(int r, int c, int box_bytes) {
+  return uint32_t((c / kBoxCols) * box_bytes + r * kBoxCols * 2 +
+                  ((c % kBoxCols / 8) ^ row_swizzle<kBoxCols>(r)) * 16 + (c % 8) * 2);
+}
+
 // The byte offset of entry (r, c) of a (kRows, cols) tile of 2-byte entries in this layout (one entry; SwizzledPairs for a fragment's).
 template <int kRows, int kBoxCols = 64>
 __device__ __forceinline__ uint32_t swizzled_offset(int r, int c) {
-  return uint32_t((c / kBoxCols) * kRows * kBoxCols * 2 + r * kBoxCols * 2 +
-                  ((c % kBoxCols / 8) ^ row_swizzle<kBoxCols>(r)) * 16 + (c % 8) * 2);
+  return box_offset<kBoxCols>(r, c, kRows * kBoxCols * 2);
 }
 
 // Byte offsets of a thread's column pairs in a (kRows, cols) tile; `coords` is the MMA's C
@@ -103,6 +110,25 @@ __device__ __forceinline__ void store_fragment(Frag const& frag, Coords const& c
   CUTE_UNROLL
   for (int i = 0; i < size(frag); i += 2) {
     store_shared_u32_at(tile + offset(i), *reinterpret_cast<uint32_t const*>(&frag(i)));
+  }
+}
+
+// Rows [0, rows) of a tile of kCols 2-byte columns in this layout at shared address `tile` (boxes
+// `box_bytes` apart, rows <= kRows) to `out`, row stride `row_stride` elements, in 16-byte pieces by
+// kThreads threads (`thread` counts within them), so that a warp writes whole rows. `out` and the
+// stride are 16-byte aligned.
+template <int kRows, int kCols, int kBoxCols, int kThreads, class Element>
+__device__ __forceinline__ void copy_rows_out(uint32_t tile, int box_bytes, Element* out, int64_t row_stride, int rows,
+                                              int thread) {
+  constexpr int kChunks = kCols / 8;
+  static_assert(sizeof(Element) == 2 && kRows * kChunks % kThreads == 0, "whole rounds of 16-byte pieces");
+  CUTE_UNROLL
+  for (int j = 0; j < kRows * kChunks / kThreads; ++j) {
+    const int piece = j * kThreads + thread;
+    const int r = piece / kChunks, c = piece % kChunks * 8;
+    if (r < rows) {
+      *reinterpret_cast<uint4*>(out + r * row_stride + c) = load_shared_u128_at(tile + box_offset<kBoxCols>(r, c, box_bytes));
+    }
   }
 }
 
