@@ -55,6 +55,8 @@ def main() -> None:
     rows = []
     for d, s, causal, variant in sweep(args.sweep, tuple(args.seqlens), tuple(args.dims)) if args.sweep else CASES:
         b, h = 16384 // s, 2048 // d
+        if h % args.group:
+            raise SystemExit(f"H = {h} at d = {d} is not a multiple of --group {args.group}")
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
         k, v = (torch.randn(b, h // args.group, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)

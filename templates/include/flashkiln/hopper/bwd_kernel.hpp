@@ -779,12 +779,14 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   const int rows = min(s.seqlen_k - key0, T::kBlockN);
   // (dK and dV come in a kernel layout: 16-byte aligned rows, inputs.is_kernel_layout.)
   copy_rows_out<T::kBlockN, T::kDimQK, T::kQKBoxCols, T::kConsumerThreads>(
-      k_tile, T::kBlockN * T::kQKBoxCols * 2, reinterpret_cast<Element*>(p.dk) + s.k_offset(p.dk_batch_stride, p.dk_row_stride) +
-                  head_kv * p.dk_head_stride + int64_t(key0) * p.dk_row_stride,
+      k_tile, T::kBlockN * T::kQKBoxCols * 2,
+      reinterpret_cast<Element*>(p.dk) + s.k_offset(p.dk_batch_stride, p.dk_row_stride) + head_kv * p.dk_head_stride +
+          int64_t(key0) * p.dk_row_stride,
       p.dk_row_stride, rows, thread);
   copy_rows_out<T::kBlockN, T::kDimV, T::kVBoxCols, T::kConsumerThreads>(
-      v_tile, T::kBlockN * T::kVBoxCols * 2, reinterpret_cast<Element*>(p.dv) + s.k_offset(p.dv_batch_stride, p.dv_row_stride) +
-                  head_kv * p.dv_head_stride + int64_t(key0) * p.dv_row_stride,
+      v_tile, T::kBlockN * T::kVBoxCols * 2,
+      reinterpret_cast<Element*>(p.dv) + s.k_offset(p.dv_batch_stride, p.dv_row_stride) + head_kv * p.dv_head_stride +
+          int64_t(key0) * p.dv_row_stride,
       p.dv_row_stride, rows, thread);
 }
 

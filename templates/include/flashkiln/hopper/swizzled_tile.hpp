@@ -127,7 +127,8 @@ __device__ __forceinline__ void copy_rows_out(uint32_t tile, int box_bytes, Elem
     const int piece = j * kThreads + thread;
     const int r = piece / kChunks, c = piece % kChunks * 8;
     if (r < rows) {
-      *reinterpret_cast<uint4*>(out + r * row_stride + c) = load_shared_u128_at(tile + box_offset<kBoxCols>(r, c, box_bytes));
+      *reinterpret_cast<uint4*>(out + r * row_stride + c) =
+          load_shared_u128_at(tile + box_offset<kBoxCols>(r, c, box_bytes));
     }
   }
 }
