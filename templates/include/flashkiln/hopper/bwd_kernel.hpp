@@ -336,15 +336,18 @@ template <class T, bool kSinkGrad>
 __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
                                         int thread, int n_block, int head) {
   using Element = typename T::Element;
-  const int warpgroup = thread / 128;
+  // The warpgroup through a shuffle, which the compiler knows to be one value per warp: the wgmma
+  // descriptors that depend on it can then live in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffff, thread / 128, 0);
+  const int mma_thread = warpgroup * 128 + thread % 128;  // == thread
   typename T::TiledMmaSdP mma_sdp;
   typename T::TiledMmaDk mma_dk;
   typename T::TiledMmaDv mma_dv;
   typename T::TiledMmaDq mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(thread);
-  auto thr_dk = mma_dk.get_thread_slice(thread);
-  auto thr_dv = mma_dv.get_thread_slice(thread);
-  auto thr_dq = mma_dq.get_thread_slice(T::kDqAlternate ? thread % 128 : thread);
+  auto thr_sdp = mma_sdp.get_thread_slice(mma_thread);
+  auto thr_dk = mma_dk.get_thread_slice(mma_thread);
+  auto thr_dv = mma_dv.get_thread_slice(mma_thread);
+  auto thr_dq = mma_dq.get_thread_slice(T::kDqAlternate ? thread % 128 : mma_thread);
 
   // Shared-memory operands as (MMA, M or N, K[, stage]).
   Tensor tSrK = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{}));
