@@ -336,15 +336,18 @@ template <class T, bool kSinkGrad>
 __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
                                         int thread, int n_block, int head) {
   using Element = typename T::Element;
-  const int warpgroup = thread / 128;
+  // The warpgroup through a shuffle, which the compiler knows to be one value per warp: the wgmma
+  // descriptors that depend on it can then live in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffff, thread / 128, 0);
+  const int mma_thread = warpgroup * 128 + thread % 128;  // == thread
   typename T::TiledMmaSdP mma_sdp;
   typename T::TiledMmaDk mma_dk;
   typename T::TiledMmaDv mma_dv;
   typename T::TiledMmaDq mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(thread);
-  auto thr_dk = mma_dk.get_thread_slice(thread);
-  auto thr_dv = mma_dv.get_thread_slice(thread);
-  auto thr_dq = mma_dq.get_thread_slice(T::kDqAlternate ? thread % 128 : thread);
+  auto thr_sdp = mma_sdp.get_thread_slice(mma_thread);
+  auto thr_dk = mma_dk.get_thread_slice(mma_thread);
+  auto thr_dv = mma_dv.get_thread_slice(mma_thread);
+  auto thr_dq = mma_dq.get_thread_slice(T::kDqAlternate ? thread % 128 : mma_thread);
 
   // Shared-memory operands as (MMA, M or N, K[, stage]).
   Tensor tSrK = thr_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{}));
@@ -530,20 +533,28 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
 
     // P^T = exp(S^T * scale - LSE), 0 where the row does not see the key (or lies past the end).
-    const bool masked = row0 + T::kBlockM > s.seqlen_q || needs_mask<T::kBlockM, T::kBlockN>(vis, row0, key0);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) {
-      const int key = get<0>(cS(i));
-      const int row = get<1>(cS(i));
-      float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -stats.lse_log2[row]));
-      if (masked) {
-        bool visible = row0 + row < s.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
-        if constexpr (decltype(vis)::kLeftEdge) {
-          visible = visible && key >= first_visible_column(vis, row0 + row, key0);
+    // Two copies of the loop, so that the tiles without a mask skip its per-score compares and
+    // selects (a branch inside one loop is flattened into predicated code that every tile runs).
+    auto exponentiate = [&](auto masked) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        const int key = get<0>(cS(i));
+        const int row = get<1>(cS(i));
+        float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -stats.lse_log2[row]));
+        if constexpr (decltype(masked)::value) {
+          bool visible = row0 + row < s.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
+          if constexpr (decltype(vis)::kLeftEdge) {
+            visible = visible && key >= first_visible_column(vis, row0 + row, key0);
+          }
+          prob = visible ? prob : 0.f;
         }
-        prob = visible ? prob : 0.f;
+        acc_s(i) = prob;
       }
-      acc_s(i) = prob;
+    };
+    if (row0 + T::kBlockM > s.seqlen_q || needs_mask<T::kBlockM, T::kBlockN>(vis, row0, key0)) {
+      exponentiate(cute::true_type{});
+    } else {
+      exponentiate(cute::false_type{});
     }
     p_regs = convert_fragment<Element>(acc_s);
     if constexpr (T::kSplitColumns) {

@@ -65,10 +65,10 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");
   // A softcap's slopes stay in registers from the cap to dS (common/softcap.hpp) where the dK and
-  // dV accumulators leave room for them (d 64); at d 128's 128 registers of them they spill, and t
-  // is read back from P instead (docs/perf.md, v31).
+  // dV accumulators take at most 128 registers per thread (d 64, 128, and 256's column halves);
+  // otherwise t is read back from P (docs/perf.md, v31 and v36).
   static constexpr int kDkDvRegisters = (kBlockN / kSdPWarpgroupsM) * ((kDimQK + kDimV) / kSdPWarpgroupsN) / 128;
-  static constexpr bool kSoftcapSlopesKept = kSoftcap_ && kDkDvRegisters <= 64;
+  static constexpr bool kSoftcapSlopesKept = kSoftcap_ && kDkDvRegisters <= 128;
   static constexpr int kBoxCols = 64;  // TMA boxes of the bias and dBias: one 128-byte swizzle atom wide
   // TMA boxes of Q and K, of V and dO: whole ones per warpgroup where they split the columns.
   static constexpr int kColumnParts = kSplitColumns ? kConsumerWarpgroups : 1;
