@@ -322,7 +322,8 @@ def run(args: argparse.Namespace) -> dict:
     else:
         seqlens = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     head_dims = args.head_dims or ([64, 128] if args.window or args.softcap else [64, 128, 256])
-    registries: dict[str, KernelRegistry | None] = {"flashkiln": KernelRegistry(args.kernel_dir) if args.kernel_dir else None}
+    # "flashkiln": the default registry, which --kernel-dir points at for every row (main sets it).
+    registries: dict[str, KernelRegistry | None] = {"flashkiln": None}
     for spec in args.extra_kernel_dir:
         label, _, path = spec.partition("=")
         registries[f"flashkiln[{label}]"] = KernelRegistry(Path(path))
@@ -486,10 +487,16 @@ def main() -> None:
                         help="time sliding-window attention instead, beside FlexAttention and flashkiln without a window")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--kernel-dir", type=Path, help="flashkiln's kernels (default: the runtime's default)")
+    parser.add_argument("--kernel-dir", type=Path,
+                        help="flashkiln's kernels for every row, forward and backward (sets $FLASHKILN_KERNEL_DIR; "
+                             "default: the runtime's default)")
     parser.add_argument("--extra-kernel-dir", action="append", default=[], metavar="LABEL=DIR",
                         help="also time the kernels of another generated directory (tuning candidates)")
     args = parser.parse_args()
+    if args.kernel_dir:
+        # Through the environment, so that every call's default registry (the SDPA drop-in's and
+        # the backward's too, which take no registry argument) loads these kernels.
+        os.environ["FLASHKILN_KERNEL_DIR"] = str(args.kernel_dir.resolve())
     torch.backends.cuda.matmul.allow_tf32 = False
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
