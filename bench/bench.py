@@ -5,7 +5,8 @@ d in {64, 128, 256}, causal off and on; forward and backward. Each timing is the
 CUDA-event timings of single calls; before each timed call the GPU is kept busy with a sleep
 kernel (~2.5 ms), so host-side launch overhead overlaps it and only device time is measured. FLOPs: forward
 4 * B * H * d * (visible (i, j) pairs), exact under the causal mask; backward 2.5x that, its time
-the median of (forward + backward through autograd) minus the median forward.
+the median of (forward + backward through autograd) minus the median forward. That median itself
+is the "train" table's (3.5x the forward's FLOPs), printed wherever backwards are timed.
 
 Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/bench [--quick]
   [--passes fwd bwd] [--extra-kernel-dir LABEL=DIR ...]  (other generated dirs: forward only)
@@ -283,15 +284,22 @@ def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, Ker
 
 
 def measure(p: str, attend: Attention, leaves: list[torch.Tensor], dout: torch.Tensor, deterministic: bool,
-            route: str | None, args: argparse.Namespace) -> float:
-    """Milliseconds of one forward (p == "fwd") or one backward through autograd of `attend` on
-    leaves[:3] (the inputs; further leaves, a bias, get gradients too)."""
+            route: str | None, args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds per pass: of one forward (p == "fwd"), or of one backward through autograd of
+    `attend` on leaves[:3] (the inputs; further leaves, a bias, get gradients too) together with
+    "train", the forward and backward through autograd it is measured from (p == "bwd")."""
     if p == "fwd":
         with torch.no_grad():
-            return time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps)
+            return {"fwd": time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps)}
     step = with_backward(attend, dout, deterministic, route)
-    return time_ms(lambda: step(leaves), args.warmup, args.reps) \
-        - time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps)
+    train = time_ms(lambda: step(leaves), args.warmup, args.reps)
+    return {"bwd": train - time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps), "train": train}
+
+
+# FLOPs of each pass in forwards' FLOPs (a backward's five GEMMs to the forward's two).
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "train": 3.5}
+PASS_NAMES = {"fwd": "forward", "bwd": "backward", "train": "forward + backward through autograd"}
+CHART_NAMES = {"fwd": "forward", "bwd": "backward", "train": "train"}
 
 
 def record(rows: list[dict], cases: dict, leaves: list[torch.Tensor], dout: torch.Tensor, fwd_flops: int,
@@ -302,16 +310,17 @@ def record(rows: list[dict], cases: dict, leaves: list[torch.Tensor], dout: torc
     peaks: dict[str, float] = {}
     for (name, p), (attend, deterministic, route) in cases.items():
         try:
-            ms = measure(p, attend, leaves, dout, deterministic, route, args)
+            times = measure(p, attend, leaves, dout, deterministic, route, args)
             if peak is not None and name not in peaks:
                 peaks[name] = peak(attend)
         except (RuntimeError, FlashkilnError) as exc:
             print(f"  {name} {p} {label}: skipped ({str(exc).splitlines()[0]})", file=sys.stderr)
             continue
-        flops = fwd_flops * (2.5 if p == "bwd" else 1.0)
-        rows.append({"backend": name, "pass": p, **shape, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
-                     **({"peak_mib": peaks[name]} if name in peaks else {})})
-        print(f"{name:>22} {p} {label} {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
+        for timed, ms in times.items():
+            rows.append({"backend": name, "pass": timed, **shape, "ms": ms,
+                         "tflops": fwd_flops * PASS_FLOPS[timed] / (ms * 1e-3) / 1e12,
+                         **({"peak_mib": peaks[name]} if name in peaks else {})})
+            print(f"{name:>22} {timed} {label} {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -393,7 +402,7 @@ def run(args: argparse.Namespace) -> dict:
 def table(result: dict, p: str) -> str:
     rows = [r for r in result["rows"] if r["pass"] == p]
     backends = sorted({r["backend"] for r in rows}, key=lambda n: (not n.startswith("flashkiln"), n))
-    lines = [f"{'forward' if p == 'fwd' else 'backward'}, TFLOP/s (x cuDNN)", "",
+    lines = [f"{PASS_NAMES[p]}, TFLOP/s (x cuDNN)", "",
              "| d | causal | S | " + " | ".join(backends) + " |", "|---|---|---|" + "---|" * len(backends)]
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -418,7 +427,7 @@ def window_table(result: dict, p: str) -> str:
     def mib(r: dict | None) -> str:
         return f"{r['peak_mib']:.0f}" if r and "peak_mib" in r else "-"
 
-    lines = [f"{'forward' if p == 'fwd' else 'backward'} with a sliding window, TFLOP/s over the visible pairs; "
+    lines = [f"{PASS_NAMES[p]} with a sliding window, TFLOP/s over the visible pairs; "
              "window w: (w, w), causal (w, 0); target for w >= 512: x full >= 0.85, x flex >= 1.5; "
              "peak MiB of forward + backward above the inputs at B = 1, H = 16 (bench/memory.py)", "",
              "| d | causal | S | w | flashkiln | full | x full | flex | x flex | MiB flashkiln | MiB flex | MiB full |",
@@ -460,7 +469,7 @@ def chart(result: dict, p: str, path: Path) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 8), fontsize=9)
-    fig.suptitle(f"attention {'forward' if p == 'fwd' else 'backward'}, bf16, {result['device']} "
+    fig.suptitle(f"attention {PASS_NAMES[p]}, bf16, {result['device']} "
                  f"({result['date'][:10]})")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
@@ -501,10 +510,12 @@ def main() -> None:
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(result, indent=1))
-    tables = "\n\n".join((window_table if args.window else table)(result, p) for p in args.passes)
+    # Every timed backward also gave its forward + backward through autograd ("train").
+    passes = [*args.passes, *(["train"] if "bwd" in args.passes else [])]
+    tables = "\n\n".join((window_table if args.window else table)(result, p) for p in passes)
     (args.out / "bench.md").write_text(tables + "\n")
-    for p in args.passes:
-        chart(result, p, args.out / f"{'forward' if p == 'fwd' else 'backward'}.png")
+    for p in passes:
+        chart(result, p, args.out / f"{CHART_NAMES[p]}.png")
     print(f"\n{result['device']}, torch {result['torch']}, cuDNN {result['cudnn']}, "
           f"bf16 matmul {result['bf16_matmul_tflops']:.0f} TFLOP/s, memory read {result['read_TBps']:.2f} TB/s\n")
     print(tables)
