@@ -374,7 +374,6 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   const QuerySweep sweep = query_sweep<T>(p, s, n_block);
   const int key0 = n_block * T::kBlockN;
   [[maybe_unused]] const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores
-  [[maybe_unused]] const float inv_scale_log2 = 1.f / p.scale_log2;  // softcap_slope's
   // A packed batch's tiles at a sequence's end hold other tokens (the next sequence's, or any value
   // past the last one) where a dense batch's TMA loads zero-fill. Their P and dS are zero, but
   // wgmma would still multiply their values by those zeros (NaN stays NaN), so each warpgroup
@@ -519,9 +518,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     auto slopes = make_fragment_like<cutlass::half_t>(acc_s);
     if constexpr (T::kSoftcap) {
       cap_scores(acc_s, p.softcap_scale);
-      if constexpr (T::kSoftcapSlopesKept) {
-        softcap_slopes(acc_s, slopes);
-      }
+      softcap_slopes(acc_s, slopes);
     }
     if constexpr (T::kBias) {
       const uint32_t tile = cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias);
@@ -586,10 +583,8 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     for (int i = 0; i < size(acc_dp); ++i) {
       const int row = get<1>(cS(i));
       acc_dp(i) = acc_s(i) * (acc_dp(i) - stats.delta[row]);
-      if constexpr (T::kSoftcapSlopesKept) {
+      if constexpr (T::kSoftcap) {
         acc_dp(i) *= float(slopes(i)) * p.softcap_scale;
-      } else if constexpr (T::kSoftcap) {
-        acc_dp(i) *= softcap_slope(acc_s(i), stats.lse_log2[row], inv_scale_log2, p.softcap_scale);
       }
     }
     if constexpr (T::kBiasGrad) {

@@ -64,11 +64,11 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static_assert(128 * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg budgets exceed the CTA's registers");
-  // A softcap's slopes stay in registers from the cap to dS (common/softcap.hpp) where the dK and
-  // dV accumulators take at most 128 registers per thread (d 64, 128, and 256's column halves);
-  // otherwise t is read back from P (docs/perf.md, v31 and v36).
+  // A softcap's slopes stay in registers from the cap to dS (common/softcap.hpp), beside dK and dV
+  // of at most 128 registers per thread (every head dim here: d 64-128 split by keys, 192/128 and
+  // 256 by columns); with more they spilled (docs/perf.md, v31, v36-v37).
   static constexpr int kDkDvRegisters = (kBlockN / kSdPWarpgroupsM) * ((kDimQK + kDimV) / kSdPWarpgroupsN) / 128;
-  static constexpr bool kSoftcapSlopesKept = kSoftcap_ && kDkDvRegisters <= 128;
+  static_assert(!kSoftcap_ || kDkDvRegisters <= 128, "a softcap's slopes beside dK and dV in registers");
   static constexpr int kBoxCols = 64;  // TMA boxes of the bias and dBias: one 128-byte swizzle atom wide
   // TMA boxes of Q and K, of V and dO: whole ones per warpgroup where they split the columns.
   static constexpr int kColumnParts = kSplitColumns ? kConsumerWarpgroups : 1;
