@@ -91,11 +91,13 @@ class BackwardPlan(CallPlan):
                             self.softcap)
         run(self, {**call.tensors(), **scratch})
         if scratch.get("dk_accum") is not None:
-            # GQA: sum each group's per-query-head gradients (a fixed-order, deterministic reduction).
+            # GQA: fp32 sums per KV head that the kernels added into, or per-query-head gradients
+            # summed over each group here (a fixed-order, deterministic reduction).
             layout_batches, hkv = k.shape[:2]
             group = q.shape[1] // hkv
             for grad, accum in ((kernel_grads[1], scratch["dk_accum"]), (kernel_grads[2], scratch["dv_accum"])):
-                grad.copy_(accum.view(layout_batches, hkv, group, *accum.shape[2:]).sum(2))
+                grad.copy_(accum if accum.shape[1] == hkv else
+                           accum.view(layout_batches, hkv, group, *accum.shape[2:]).sum(2))
         if kernel_grads[0] is not dq:
             for grad, kernel_grad in zip((dq, dk, dv), kernel_grads):
                 grad.copy_(kernel_grad[..., :grad.shape[-1]])

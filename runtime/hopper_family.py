@@ -117,6 +117,14 @@ def staggered_sweep(call: BackwardCall, key_tiles: int, target: Target) -> bool:
             and 2 * key_tiles <= target.multiprocessors)
 
 
+def gqa_accum_heads(hq: int, hkv: int, deterministic: bool) -> int:
+    """Heads of a GQA call's fp32 dK and dV accumulators: the query heads of a group add into one
+    sum per KV head with unordered reductions, which costs less traffic and memory than fp32 per
+    query head summed afterwards (docs/perf.md, v38); a deterministic call keeps those, summed in a
+    fixed order."""
+    return hq if deterministic else hkv
+
+
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
@@ -127,7 +135,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
-    (GQA: fp32 per query head, summed over each group afterwards), dsink_parts (fp32 (B, H_q, key
+    (GQA: fp32, gqa_accum_heads), dsink_parts (fp32 (B, H_q, key
     tiles) sums of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
     H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
     a query tile's dQ), and for dBias of a key-varying bias one of ds_workspace (dS, as the
@@ -183,10 +191,13 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         scratch.take("dsink_parts", (b, hq, key_tiles), f32, zeroed=packed)
     else:
         scratch.absent("dsink_parts")
+    dkv_sums = False
     if hq != hkv:
-        # Zeros for the keys of a packed batch that lie in no sequence.
-        scratch.take("dk_accum", (layout_batches, hq, shape.total_k, d_qk), f32, zeroed=packed)
-        scratch.take("dv_accum", (layout_batches, hq, shape.total_k, d_v), f32, zeroed=packed)
+        heads = gqa_accum_heads(hq, hkv, deterministic)
+        dkv_sums = heads == hkv
+        # Sums are added into; per-head rows are zeroed for the keys of a packed batch in no sequence.
+        scratch.take("dk_accum", (layout_batches, heads, shape.total_k, d_qk), f32, zeroed=packed or dkv_sums)
+        scratch.take("dv_accum", (layout_batches, heads, shape.total_k, d_v), f32, zeroed=packed or dkv_sums)
     else:
         scratch.absent("dk_accum")
         scratch.absent("dv_accum")
@@ -200,7 +211,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         dq_accum_rows=dq_accum_rows, heads_q=hq, heads_kv=hkv, **shape.params(), **scores,
         tma_bias=bias_map.descriptor, bias_row_step=bias_map.row_step,
         bias_head_step=bias_map.head_step, bias_batch_step=bias_map.batch_step, tma_dbias=dbias_map,
-        keys_complete=int(call.keys_complete), staggered_sweep=int(staggered_sweep(call, key_tiles, target)))
+        keys_complete=int(call.keys_complete), staggered_sweep=int(staggered_sweep(call, key_tiles, target)),
+        dkv_sums=int(dkv_sums))
     tensors = {**call.tensors(), **scratch.tensors}
     roles = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "dout", **({"tma_bias": "bias"} if bias else {}),
              **({"tma_dbias": bias_mod.STORE} if reduction == bias_mod.STORE else {})}

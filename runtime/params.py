@@ -164,7 +164,8 @@ class HopperBwdParams(ctypes.Structure):
         ("softcap_scale", ctypes.c_float),
         ("keys_complete", ctypes.c_int32),
         ("staggered_sweep", ctypes.c_int32),
-        ("_pad", ctypes.c_int32 * 14),  # to the 64-byte multiple that the maps' alignment makes the C++ size
+        ("dkv_sums", ctypes.c_int32),
+        ("_pad", ctypes.c_int32 * 13),  # to the 64-byte multiple that the maps' alignment makes the C++ size
     ]
 
 

@@ -11,6 +11,7 @@ import torch
 
 from flashkiln.descriptor import VariantDescriptor
 from flashkiln.errors import InvalidInputError, UnsupportedError
+from flashkiln.launch import ScratchSet
 from flashkiln.generator.families import FAMILIES
 from flashkiln.generator.render import render
 from flashkiln.generator.specs import load_variants
@@ -388,19 +389,20 @@ def test_the_backward_dispatches_through_the_same_table(planned):
         choose("backward", "hopper", (9, 0))
 
 
-def _backward_call(causal: str = "none", deterministic: bool = False, bias_shape: tuple | None = None, **extra):
-    """A (1, 2, 64, 128) bf16 CPU call for the planners (they refuse or look up before any launch)."""
+def _backward_call(causal: str = "none", deterministic: bool = False, bias_shape: tuple | None = None,
+                   hkv: int = 2, **extra):
+    """A (1, 2, 64, 128) bf16 CPU call (k and v with `hkv` heads) for the planners (they refuse or
+    look up before any launch)."""
     from flashkiln.calls import BackwardCall
 
-    q, k, v, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(5))
+    q, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.zeros(1, hkv, 64, 128, dtype=torch.bfloat16) for _ in range(2))
     if bias_shape is not None:
         extra["bias"] = prepare_bias(torch.zeros(bias_shape, dtype=torch.bfloat16), (1, 2, 64, 64), q)
     return BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, causal, 0.1, deterministic, **extra)
 
 
 def _plan_hopper_backward(call, registry=None):
-    from flashkiln.launch import ScratchSet
-
     return hopper_family.plan_backward(call, fake_target((9, 0)), registry, ScratchSet(call.q.device))
 
 
@@ -463,3 +465,27 @@ def test_a_deterministic_backward_staggers_its_sweeps_only_where_every_key_tile_
                                                                                             staggered):
     call = _backward_call(**kw)
     assert hopper_family.staggered_sweep(call, key_tiles, fake_target((9, 0))) is staggered
+
+
+@pytest.mark.parametrize("hkv, deterministic, accum_heads", [(1, False, 1), (1, True, 2), (2, False, None)])
+def test_a_gqa_backward_adds_into_sums_per_kv_head_unless_deterministic(monkeypatch, hkv, deterministic,
+                                                                        accum_heads):
+    from types import SimpleNamespace
+
+    class Registry:
+        def find(self, request, capability, smem_limit=None):
+            return SimpleNamespace(descriptor={"tile_m": 64, "tile_n": 128})
+
+    monkeypatch.setattr(tma, "_encoded", lambda shape, dtype: (0,) * 16)  # no driver here
+    call = _backward_call(deterministic=deterministic, hkv=hkv)
+    scratch = ScratchSet(call.q.device)
+    main = hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), scratch).launches[1].params
+    dk_accum, dv_accum = scratch.tensors["dk_accum"], scratch.tensors["dv_accum"]
+    if accum_heads is None:  # not GQA
+        assert dk_accum is None and dv_accum is None and main.dk_accum == 0 and main.dkv_sums == 0
+        return
+    assert dk_accum.shape == dv_accum.shape == (1, accum_heads, 64, 128) and dk_accum.dtype == torch.float32
+    assert main.dk_accum == dk_accum.data_ptr() and main.dv_accum == dv_accum.data_ptr()
+    # Sums are added into, so they start at zero; per-query-head rows are written whole.
+    assert main.dkv_sums == (accum_heads == hkv)
+    assert [s.zeroed for s in scratch.specs if s.role in ("dk_accum", "dv_accum")] == [accum_heads == hkv] * 2

@@ -16,6 +16,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include <flashkiln/common/fragment.hpp>
+#include <flashkiln/common/global_reduce.hpp>
 #include <flashkiln/common/math.hpp>
 #include <flashkiln/common/sequence.hpp>
 #include <flashkiln/common/softcap.hpp>
@@ -742,10 +743,24 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   }
 
   // dK (scaled) and dV of the key tile: in the element type by the output strides, or (GQA) in
-  // fp32 per query head, which the runtime sums over each group.
+  // fp32, added into sums per KV head (p.dkv_sums), or stored per query head, which the runtime
+  // sums over each group in a fixed order (a deterministic call).
   Tensor cK = thr_dk.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDimQK>>{}));
   Tensor cV = thr_dv.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kDimV>>{}));
   if (p.dk_accum != 0) {
+    const bool sums = p.dkv_sums != 0;
+    const int accum_heads = sums ? p.heads_kv : p.heads_q;
+    const int accum_head = sums ? head / (p.heads_q / p.heads_kv) : head;
+    const int64_t first_row = (s.layout_batch() * accum_heads + accum_head) * p.total_k + s.k_begin;
+    float* const dk_rows = reinterpret_cast<float*>(p.dk_accum) + first_row * T::kDimQK;
+    float* const dv_rows = reinterpret_cast<float*>(p.dv_accum) + first_row * T::kDimV;
+    const auto write_pair = [sums](float* dst, float a, float b) {
+      if (sums) {
+        reduce_add_pair(dst, a, b);
+      } else {
+        *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+      }
+    };
     // Entry i of either fragment holds the same key (m64 accumulators over the warpgroup's keys);
     // where d_qk and d_v differ, one fragment has fewer entries.
     constexpr int kEntriesK = decltype(size(acc_dk))::value;
@@ -756,14 +771,11 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       const int key = key0 + (has_dk ? get<0>(cK(i)) : get<0>(cV(i)));
       if (key < s.seqlen_k) {
         if (has_dk) {
-          *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dk_accum) +
-                                     (s.k_row(p, head) + key) * T::kDimQK + get<1>(cK(i))) =
-              make_float2(acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
+          write_pair(dk_rows + int64_t(key) * T::kDimQK + get<1>(cK(i)), acc_dk(i) * p.scale,
+                     acc_dk(i + 1) * p.scale);
         }
         if (has_dv) {
-          *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.dv_accum) +
-                                     (s.k_row(p, head) + key) * T::kDimV + get<1>(cV(i))) =
-              make_float2(acc_dv(i), acc_dv(i + 1));
+          write_pair(dv_rows + int64_t(key) * T::kDimV + get<1>(cV(i)), acc_dv(i), acc_dv(i + 1));
         }
       }
     }

@@ -27,7 +27,9 @@ struct HopperBwdParams {
   // postprocess reads it back.
   uint64_t dq_accum;
   uint64_t dk, dv;              // (batch, heads_kv, seqlen_k, d) by strides, when heads_q == heads_kv
-  uint64_t dk_accum, dv_accum;  // float (batch, heads_q, total_k, d): per query head (GQA), or 0
+  // GQA: float (batch, heads, total_k, d), or 0: sums per KV head that every query head of its
+  // group adds into (zeroed; dkv_sums set), or per query head (a deterministic call)
+  uint64_t dk_accum, dv_accum;
   uint64_t sink;                // float (heads_q,): the forward's sink logits, when dsink_parts is set
   // float (batch, heads_q, key tiles): per CTA, the sum over its keys and rows of p_sink * P * dP
   // (dSink, as BwdParams::dsink_parts), or 0
@@ -65,7 +67,8 @@ struct HopperBwdParams {
   // Deterministic: a key tile may start its sweep of the query tiles at its own index
   // (hopper/bwd_kernel.hpp, QuerySweep), since each sequence's key tiles all run at once.
   int32_t staggered_sweep;
-  int32_t _pad[14];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
+  int32_t dkv_sums;  // dk_accum and dv_accum hold sums per KV head
+  int32_t _pad[13];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror
 };
 
 }  // namespace flashkiln
