@@ -135,8 +135,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
-    (GQA: fp32, gqa_accum_heads), dsink_parts (fp32 (B, H_q, key
-    tiles) sums of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
+    (GQA: fp32 per KV or query head, gqa_accum_heads), dsink_parts (fp32 (B, H_q, key tiles) sums
+    of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
     H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
     a query tile's dQ), and for dBias of a key-varying bias one of ds_workspace (dS, as the
     portable workspace route keeps it), dbias_columns and dbias_sum with dbias_semaphore (the
