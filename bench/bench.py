@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -450,7 +451,8 @@ def chart(result: dict, p: str, path: Path) -> None:
     rows = [r for r in result["rows"] if r["pass"] == p]
     series = lambda r: r["backend"] + (f" w={r['window']}" if r.get("window", -1) >= 0 else "")  # noqa: E731
     dims = sorted({r["d"] for r in rows})
-    fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
+    # At least 10 inches wide: a one-head-dim run's title and legend fit too.
+    fig, axes = plt.subplots(2, len(dims), figsize=(max(5 * len(dims), 10), 8), squeeze=False)
     for col, d in enumerate(dims):
         for row, causal in enumerate((False, True)):
             ax = axes[row][col]
@@ -468,10 +470,11 @@ def chart(result: dict, p: str, path: Path) -> None:
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 8), fontsize=9)
+    columns = min(len(handles), 2 * len(dims) + 1)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=columns, fontsize=9)
     fig.suptitle(f"attention {PASS_NAMES[p]}, bf16, {result['device']} "
                  f"({result['date'][:10]})")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.02 + 0.03 * math.ceil(len(handles) / columns), 1, 1))  # room for the legend's rows
     fig.savefig(path, dpi=110)
 
 
