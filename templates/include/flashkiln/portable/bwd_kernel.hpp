@@ -28,16 +28,23 @@ namespace flashkiln::portable {
 using namespace cute;
 
 // dst += acc with fp32 reductions in global memory. Accumulator fragments hold column pairs
-// (2c, 2c+1) at indices (2i, 2i+1), adjacent in memory, which reduce_add_pair adds at once
-// (profiled: with scalar reductions the LSU queue throttled issue, the top stall reason).
+// (2c, 2c+1) at indices (2i, 2i+1), adjacent in memory: on Hopper reduce_add_pair adds both at
+// once (profiled: with scalar reductions the LSU queue throttled issue, the top stall reason).
 template <class Dst, class Acc>
 __device__ __forceinline__ void atomic_add_fragment(Dst&& dst, Acc const& acc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(decltype(size<0, 0>(acc))::value == 2, "accumulator fragments start with a column pair");
   static_assert(decltype(stride<0, 0>(dst.layout()))::value == 1, "the column pair must be contiguous");
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
     reduce_add_pair(&dst(i), acc(i), acc(i + 1));
   }
+#else
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    atomicAdd(&dst(i), acc(i));
+  }
+#endif
 }
 
 template <class T>
