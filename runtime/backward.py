@@ -260,7 +260,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     delta from rowsum(dout * out) alone (where a call holds all of a row's keys, they otherwise
     recompute it from the unrounded P and dP, which is exact only then).
     With a bias, the backward runs a deterministic route, and dbias is deterministic too.
-    deterministic: bitwise-reproducible dq (dk, dv are always); default
+    deterministic: bitwise-reproducible dq, and with GQA dk and dv (which the hopper family
+    otherwise adds into fp32 sums per KV head in any order; without GQA they always are); default
     torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes): in
     place by default; on the portable family, where it is faster, dS can be kept in a workspace of
     B * H_q * S_q * S_k elements and dq computed from it by a second kernel, if that fits
