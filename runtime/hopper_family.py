@@ -117,14 +117,6 @@ def staggered_sweep(call: BackwardCall, key_tiles: int, target: Target) -> bool:
             and 2 * key_tiles <= target.multiprocessors)
 
 
-def gqa_accum_heads(hq: int, hkv: int, deterministic: bool) -> int:
-    """Heads of a GQA call's fp32 dK and dV accumulators: the query heads of a group add into one
-    sum per KV head with unordered reductions, which costs less traffic and memory than fp32 per
-    query head summed afterwards (docs/perf.md, v38); a deterministic call keeps those, summed in a
-    fixed order."""
-    return hq if deterministic else hkv
-
-
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
@@ -135,7 +127,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
-    (GQA: fp32 per KV or query head, gqa_accum_heads), dsink_parts (fp32 (B, H_q, key tiles) sums
+    (GQA: fp32 sums per KV head, or per query head when deterministic), dsink_parts (fp32 (B, H_q, key tiles) sums
     of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
     H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
     a query tile's dQ), and for dBias of a key-varying bias one of ds_workspace (dS, as the
@@ -191,10 +183,12 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         scratch.take("dsink_parts", (b, hq, key_tiles), f32, zeroed=packed)
     else:
         scratch.absent("dsink_parts")
-    dkv_sums = False
+    # GQA: the query heads of a group add into one fp32 sum per KV head with unordered reductions,
+    # less traffic and memory than fp32 per query head summed afterwards (docs/perf.md, v38), which
+    # a deterministic call keeps for the fixed order of its sum.
+    dkv_sums = hq != hkv and not deterministic
     if hq != hkv:
-        heads = gqa_accum_heads(hq, hkv, deterministic)
-        dkv_sums = heads == hkv
+        heads = hkv if dkv_sums else hq
         # Sums are added into; per-head rows are zeroed for the keys of a packed batch in no sequence.
         scratch.take("dk_accum", (layout_batches, heads, shape.total_k, d_qk), f32, zeroed=packed or dkv_sums)
         scratch.take("dv_accum", (layout_batches, heads, shape.total_k, d_v), f32, zeroed=packed or dkv_sums)
