@@ -3,6 +3,7 @@ and the SDPA drop-in's refusals."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -168,6 +169,22 @@ def test_bad_route_settings_are_typed_errors(registry, monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(flashkiln.InvalidInputError, match=env):
         plan(registry, deterministic=True)
+
+
+def test_route_settings_follow_every_change_of_the_environment(monkeypatch):
+    """dq_routes reads the settings without os.environ.get; what it reads must still be what
+    os.environ holds after each set and unset, whatever the value's characters."""
+    from flashkiln import dq_routes
+
+    monkeypatch.delenv(ROUTE_ENV, raising=False)
+    monkeypatch.delenv(WORKSPACE_BUDGET_ENV, raising=False)
+    assert dq_routes.settings() == (None, None)
+    for route, budget in (("ordered", "64"), ("atomic", ""), ("d\u00e9j\u00e0 \udcff", "0")):
+        monkeypatch.setenv(ROUTE_ENV, route)
+        monkeypatch.setenv(WORKSPACE_BUDGET_ENV, budget)
+        assert dq_routes.settings() == (route, budget) == (os.environ[ROUTE_ENV], os.environ[WORKSPACE_BUDGET_ENV])
+    monkeypatch.delenv(ROUTE_ENV)
+    assert dq_routes.settings() == (None, "0")
 
 
 def test_gqa_plan_accumulates_per_query_head(registry):
