@@ -22,10 +22,10 @@ WORKSPACE_BUDGET_ENV = "FLASHKILN_BACKWARD_WORKSPACE_MIB"
 
 
 def _setting(name: str) -> str | None:
-    """os.environ.get(name), without its cost for an unset name: settings() runs on every backward
-    call (its plan-cache key), and os.environ.get raises and catches a KeyError for each unset one
-    (about 0.7 µs on CPython). CPython's os.environ keeps the encoded mapping that its every change
-    updates (`_data`), which a dict lookup reads without an exception (docs/perf.md, v39)."""
+    """os.environ.get(name) without its exception: settings() runs on every backward call (its
+    plan-cache key), and os.environ.get raises and catches a KeyError for each unset name, the
+    common case. CPython's os.environ keeps the encoded mapping that its every change updates
+    (`_data`), which a dict lookup reads without one (docs/perf.md, v39)."""
     environ = os.environ
     data = getattr(environ, "_data", None)
     if data is None:
