@@ -10,12 +10,13 @@ tools/time_score_mods.py's.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from flashkiln.visibility import needs_mask, visibility, visible_key_tiles, visiting_query_tiles
 
-
-def visible_pairs(seqlen: int, left: int, right: int) -> int:
-    return sum(min(seqlen - 1, i + right) - max(0, i - left) + 1 for i in range(seqlen))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from bench import window_visible_pairs  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 
 def visited_tiles(seqlen: int, causal: bool, window: tuple[int, int], kind: str, tile_m: int,
@@ -49,7 +50,7 @@ def main() -> None:
             for w in args.windows:
                 window = (w, 0 if causal else w)
                 tiles, masked = visited_tiles(args.seqlen, causal, window, kind, tile_m, tile_n)
-                covered = visible_pairs(args.seqlen, *window) / (tiles * tile_m * tile_n)
+                covered = window_visible_pairs(args.seqlen, args.seqlen, *window) / (tiles * tile_m * tile_n)
                 cells.append(f"{covered:.3f} ({masked / tiles:.2f})")
             print(f"| {spec} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
 
