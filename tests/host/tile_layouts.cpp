@@ -1,8 +1,9 @@
 // The hopper kernels' hand-written shared-memory and accumulator arithmetic, checked on the host
 // against CuTe's layouts of the same tiles (those wgmma and TMA use), for every tile shape the
 // kernels build. Built and run by tests/test_tile_layouts.py with the host C++ compiler: the
-// headers' __device__ helpers are plain arithmetic, compiled here as host functions. Prints one
-// line per shape and exits with the number of shapes that failed.
+// headers' __device__ helpers are plain arithmetic, compiled here as host functions (a warp's
+// shuffles emulated, __shfl_xor_sync below). Prints one line per shape and exits with the number
+// of shapes that failed.
 #define __device__
 #define __forceinline__ inline
 #include <cstdint>
@@ -28,10 +29,35 @@ inline uint4 load_shared_u128_at(uint32_t address) { uint4 v; memcpy(&v, shared_
 inline void store_shared_u32_at(uint32_t address, uint32_t value) { memcpy(shared_window + address, &value, 4); }
 }  // namespace flashkiln
 
+// A warp's shuffles, emulated by running each lane several times (run_warp): a shuffle receives
+// what the partner lane sent at the same shuffle of the pass before, and the last pass, once every
+// value sent through fewer shuffles than there are passes has settled, is the one that counts.
+constexpr int kShufflePasses = 4;
+static int shuffle_pass;
+static uint32_t shuffle_sent[2][32][64];
+static int shuffle_calls[32];
+
+inline uint32_t __shfl_xor_sync(unsigned, uint32_t value, int lane_mask) {
+  const int lane = threadIdx.x % 32, call = shuffle_calls[lane]++;
+  shuffle_sent[shuffle_pass % 2][lane][call] = value;
+  return shuffle_sent[(shuffle_pass + 1) % 2][lane ^ lane_mask][call];
+}
+
+// PTX prmt's default mode: byte i of the result is byte (selector >> 4 i) & 7 of b:a.
+inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+  const uint64_t bytes = uint64_t(b) << 32 | a;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) {
+    out |= uint32_t(bytes >> (8 * ((selector >> (4 * i)) & 7)) & 0xff) << (8 * i);
+  }
+  return out;
+}
+
 #include <flashkiln/hopper/bwd_dq_tiles.hpp>
 #include <flashkiln/hopper/fwd_epilogue.hpp>
 #include <flashkiln/hopper/head_boxes.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
+#include <flashkiln/hopper/transposed_tile.hpp>
 
 using namespace cute;
 using namespace flashkiln::hopper;
@@ -155,6 +181,55 @@ void check_dq_tile() {
   report(ok, "dQ accumulator tile", 64, kDim);
 }
 
+// Runs body(thread, last) for the 32 threads of warp `warp` of a warpgroup, kShufflePasses times
+// (see __shfl_xor_sync); `last` on the pass whose results count.
+template <class Body>
+void run_warp(int warp, Body&& body) {
+  memset(shuffle_sent, 0, sizeof(shuffle_sent));
+  for (shuffle_pass = 0; shuffle_pass < kShufflePasses; ++shuffle_pass) {
+    memset(shuffle_calls, 0, sizeof(shuffle_calls));
+    for (int lane = 0; lane < 32; ++lane) {
+      threadIdx.x = 32 * warp + lane;
+      body(int(threadIdx.x), shuffle_pass == kShufflePasses - 1);
+    }
+  }
+}
+
+// for_rows_of_transposed over a warpgroup's m64 (keys, rows) fragments of 2-byte entries, as the
+// backward's S^T GEMM partitions them (dS^T in the element type), each entry holding its own
+// (row, key): every entry of the tile must come out once, at the coordinates it is emitted with.
+template <int kRows>
+void check_transposed_rows() {
+  using Atom = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kRows>, _64>, GMMA::Major::K,
+                                             GMMA::Major::K>());
+  auto mma = make_tiled_mma(Atom{});
+  auto entry = [](int row, int key) { return uint32_t(row * 256 + key); };
+  bool ok = true;
+  static int seen_pairs[kRows][64];
+  memset(seen_pairs, 0, sizeof(seen_pairs));
+  for (int warp = 0; warp < 4; ++warp) {
+    run_warp(warp, [&](int t, bool emitting) {
+      Tensor coords = mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<kRows>>{}));
+      Tensor frag = make_tensor<uint16_t>(size(coords));
+      for (int i = 0; i < size(frag); ++i) {
+        frag(i) = uint16_t(entry(get<1>(coords(i)), get<0>(coords(i))));
+      }
+      for_rows_of_transposed(frag, coords, [&](int row, int key, uint32_t keys) {
+        if (emitting) {
+          ok &= key % 2 == 0 && keys == (entry(row, key) | entry(row, key + 1) << 16);
+          ++seen_pairs[row][key];
+        }
+      });
+    });
+  }
+  for (int row = 0; row < kRows; ++row) {
+    for (int key = 0; key < 64; ++key) {
+      ok &= seen_pairs[row][key] == (key % 2 == 0);
+    }
+  }
+  report(ok, "transposed fragment rows", kRows, 64);
+}
+
 int main() {
   // 128-byte boxes: head dims 64, 128 and 256, and the (keys, rows) tiles of P^T and dS.
   check_swizzled_tile<64, 64, 64>();
@@ -172,5 +247,8 @@ int main() {
   check_dq_tile<128>();
   check_dq_tile<192>();
   check_dq_tile<256>();
+  // A warpgroup's 64 keys by the query tile's rows (64), or by half of them (32: split columns).
+  check_transposed_rows<64>();
+  check_transposed_rows<32>();
   return failures;
 }
