@@ -42,6 +42,16 @@ def _check(result: tuple, what: str) -> tuple:
     return result[1:]
 
 
+# ptxas's advisories about a wgmma pipeline it had to alter (C75xx: wgmma instructions serialized, a
+# warpgroup wait injected), each naming the function.
+_WGMMA_ADVISORY = re.compile(r"ptxas info\s*: \((C75\d\d)\) (.*)")
+
+
+def wgmma_advisories(log: str) -> list[str]:
+    """ptxas's C75xx advisories in a compile log, one per line ("C7514 Potential Performance Loss: ...")."""
+    return [f"{code} {text.strip()}" for code, text in _WGMMA_ADVISORY.findall(log)]
+
+
 def resource_usage(log: str) -> dict[str, Resources]:
     """Registers and spill bytes per entry function, from ptxas's -v report."""
     usage = {}
@@ -70,6 +80,9 @@ def compile_cubin(source: str, name: str, options: list[str]) -> CompileResult:
         log = log_buf.rstrip(b"\0").decode(errors="replace").strip()
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(name, log)
+        if advisories := wgmma_advisories(log):
+            raise CompileError(name, "ptxas altered a wgmma pipeline (the kernel would run without the overlap its "
+                                     "template is written for):\n" + "\n".join(advisories) + "\n\n" + log)
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flashkiln.generator import build
-from flashkiln.generator.nvrtc import CompileError, compile_cubin
+from flashkiln.generator.nvrtc import CompileError, compile_cubin, wgmma_advisories
 from flashkiln.generator.render import render
 from flashkiln.generator.sass import disassemble, opcode_counts
 from flashkiln.generator.specs import load_variants
@@ -87,3 +87,43 @@ def test_compile_error_survives_a_worker_process():
     error = pickle.loads(pickle.dumps(CompileError("fwd_x", "error: bad")))
     assert (error.name, error.log) == ("fwd_x", "error: bad")
     assert "NVRTC failed to compile fwd_x" in str(error)
+
+
+# One m64n8k16 wgmma; EARLY becomes nothing, or a read of its accumulator before the wait.
+WGMMA_SOURCE = r"""
+extern "C" __global__ void one_wgmma(float* out, unsigned long long a, unsigned long long b) {
+  float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3) : "l"(a), "l"(b), "r"(1));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  EARLY
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  out[threadIdx.x + 128] = d0 + d1 + d2 + d3;
+}
+"""
+
+
+def test_a_wgmma_pipeline_that_ptxas_alters_fails_the_compile():
+    """A kernel whose wgmma ptxas serializes or waits on (C75xx) runs, but without the overlap its
+    template is written for: the build refuses it, naming ptxas's advisory and the function. The
+    same kernel reading its accumulator after the wait compiles."""
+    options = toolchain().options("sm_90a")
+    clean = compile_cubin(WGMMA_SOURCE.replace("EARLY", ""), "one_wgmma", options)
+    assert wgmma_advisories(clean.log) == [] and clean.cubin
+    with pytest.raises(CompileError) as info:
+        compile_cubin(WGMMA_SOURCE.replace("EARLY", "out[threadIdx.x] = d0;"), "one_wgmma", options)
+    assert "ptxas altered a wgmma pipeline" in str(info.value) and "'one_wgmma'" in str(info.value)
+    assert wgmma_advisories(info.value.log)[0].startswith("C75")
+
+
+def test_wgmma_advisories_are_read_from_the_log():
+    log = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+           "to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the "
+           "pipeline stage in the function 'k'\nptxas info    : 0 bytes gmem\n")
+    assert wgmma_advisories(log) == [
+        "C7514 Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma "
+        "instructions reading accumulator registers of  a wgmma between start and end of the pipeline stage in "
+        "the function 'k'"]
+    assert wgmma_advisories("ptxas info    : Used 30 registers, used 0 barriers") == []
