@@ -44,7 +44,7 @@ def _check(result: tuple, what: str) -> tuple:
 
 # ptxas's advisories about a wgmma pipeline it had to alter (C75xx: wgmma instructions serialized, a
 # warpgroup wait injected), each naming the function.
-_WGMMA_ADVISORY = re.compile(r"ptxas info\s*: \((C75\d\d)\) (.*)")
+_WGMMA_ADVISORY = re.compile(r"ptxas (?:info|warning)\s*: \((C75\d\d)\) (.*)")
 
 
 def wgmma_advisories(log: str) -> list[str]:
