@@ -195,39 +195,57 @@ void run_warp(int warp, Body&& body) {
   }
 }
 
-// for_rows_of_transposed over a warpgroup's m64 (keys, rows) fragments of 2-byte entries, as the
-// backward's S^T GEMM partitions them (dS^T in the element type), each entry holding its own
-// (row, key): every entry of the tile must come out once, at the coordinates it is emitted with.
-template <int kRows>
+// for_rows_of_transposed and store_rows_of_transposed over the two consumer warpgroups' m64 (keys,
+// rows) fragments of 2-byte entries, as the backward's S^T GEMM partitions them (dS^T in the element
+// type), each entry holding its own (row, key), for a (kRows, kKeys) tile: split by keys (64 each,
+// kKeys 128) or by rows (kRows / 2 each, kKeys 64: split columns). Every entry must come out once,
+// at the coordinates it is emitted with, and land where TMA's layout of a bias tile keeps it (a
+// full bias's dS is stored there).
+template <int kRows, int kKeys>
 void check_transposed_rows() {
-  using Atom = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kRows>, _64>, GMMA::Major::K,
+  constexpr bool kSplitRows = kKeys == 64;
+  constexpr int kFragRows = kSplitRows ? kRows / 2 : kRows;
+  using Atom = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kFragRows>, _64>, GMMA::Major::K,
                                              GMMA::Major::K>());
   auto mma = make_tiled_mma(Atom{});
   auto entry = [](int row, int key) { return uint32_t(row * 256 + key); };
   bool ok = true;
-  static int seen_pairs[kRows][64];
+  static int seen_pairs[kRows][kKeys];
   memset(seen_pairs, 0, sizeof(seen_pairs));
-  for (int warp = 0; warp < 4; ++warp) {
-    run_warp(warp, [&](int t, bool emitting) {
-      Tensor coords = mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<kRows>>{}));
-      Tensor frag = make_tensor<uint16_t>(size(coords));
-      for (int i = 0; i < size(frag); ++i) {
-        frag(i) = uint16_t(entry(get<1>(coords(i)), get<0>(coords(i))));
-      }
-      for_rows_of_transposed(frag, coords, [&](int row, int key, uint32_t keys) {
-        if (emitting) {
-          ok &= key % 2 == 0 && keys == (entry(row, key) | entry(row, key + 1) << 16);
-          ++seen_pairs[row][key];
+  alignas(1024) static uint16_t buffer[kRows * kKeys];
+  memset(buffer, 0xff, sizeof(buffer));
+  flashkiln::shared_window = reinterpret_cast<char*>(buffer);
+  for (int warpgroup = 0; warpgroup < 2; ++warpgroup) {
+    const auto first = kSplitRows ? make_coord(0, kFragRows * warpgroup) : make_coord(64 * warpgroup, 0);
+    for (int warp = 0; warp < 4; ++warp) {
+      run_warp(warp, [&](int t, bool last) {
+        Tensor entries = domain_offset(first, make_identity_tensor(Shape<_64, Int<kFragRows>>{}));
+        Tensor coords = mma.get_thread_slice(t).partition_C(entries);  // (key, row)
+        Tensor frag = make_tensor<uint16_t>(size(coords));
+        for (int i = 0; i < size(frag); ++i) {
+          frag(i) = uint16_t(entry(get<1>(coords(i)), get<0>(coords(i))));
         }
+        for_rows_of_transposed(frag, coords, [&](int row, int key, uint32_t keys) {
+          if (last) {
+            ok &= key % 2 == 0 && keys == (entry(row, key) | entry(row, key + 1) << 16);
+            ++seen_pairs[row][key];
+          }
+        });
+        // Every pass (its shuffles must run in each); the last one's values overwrite the others'.
+        store_rows_of_transposed<kRows>(frag, coords, 0);
       });
-    });
-  }
-  for (int row = 0; row < kRows; ++row) {
-    for (int key = 0; key < 64; ++key) {
-      ok &= seen_pairs[row][key] == (key % 2 == 0);
     }
   }
-  report(ok, "transposed fragment rows", kRows, 64);
+  using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, 64>{}, Shape<Int<kRows>, Int<kKeys>>{}));
+  auto tile = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(buffer)), Layout{});
+  for (int row = 0; row < kRows; ++row) {
+    for (int key = 0; key < kKeys; ++key) {
+      uint16_t bits;
+      memcpy(&bits, raw_pointer_cast(&tile(row, key)), 2);
+      ok &= seen_pairs[row][key] == (key % 2 == 0) && bits == uint16_t(entry(row, key));
+    }
+  }
+  report(ok, "transposed fragment rows", kRows, kKeys);
 }
 
 int main() {
@@ -247,8 +265,8 @@ int main() {
   check_dq_tile<128>();
   check_dq_tile<192>();
   check_dq_tile<256>();
-  // A warpgroup's 64 keys by the query tile's rows (64), or by half of them (32: split columns).
-  check_transposed_rows<64>();
-  check_transposed_rows<32>();
+  // The backward's (query rows, keys) tiles with a bias: 64 x 128 split by keys, 64 x 64 by rows.
+  check_transposed_rows<64, 128>();
+  check_transposed_rows<64, 64>();
   return failures;
 }
