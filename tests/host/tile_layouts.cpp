@@ -2,7 +2,7 @@
 // against CuTe's layouts of the same tiles (those wgmma and TMA use), for every tile shape the
 // kernels build. Built and run by tests/test_tile_layouts.py with the host C++ compiler: the
 // headers' __device__ helpers are plain arithmetic, compiled here as host functions (a warp's
-// shuffles emulated, __shfl_xor_sync below). Prints one line per shape and exits with the number
+// collectives emulated, `collective` below). Prints one line per shape and exits with the number
 // of shapes that failed.
 #define __device__
 #define __forceinline__ inline
@@ -19,6 +19,32 @@
 static uint3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
 
+// A warp's collective operations (shuffles, ldmatrix), emulated by running each lane several times
+// (run_warp): each call records what its lane sends (a value, or a row's address) and receives
+// what the other lanes sent at the same call of the pass before. The last pass, once every value
+// that went through fewer collectives than there are passes has settled, is the one that counts.
+constexpr int kCollectivePasses = 4;
+static int collective_pass;
+static uint32_t collective_sent[2][32][64];
+static int collective_calls[32];
+
+// What the lanes sent at one call, in the pass before.
+struct Sent {
+  int call;
+  uint32_t operator[](int lane) const { return collective_sent[(collective_pass + 1) % 2][lane][call]; }
+};
+
+// This lane's next call: records what it sends.
+inline Sent collective(uint32_t sent) {
+  const int lane = threadIdx.x % 32, call = collective_calls[lane]++;
+  collective_sent[collective_pass % 2][lane][call] = sent;
+  return {call};
+}
+
+inline uint32_t __shfl_xor_sync(unsigned, uint32_t value, int lane_mask) {
+  return collective(value)[threadIdx.x % 32 ^ lane_mask];
+}
+
 // Shared addresses are byte offsets into `shared_window`.
 #define FLASHKILN_HOST_SHARED_ACCESS
 namespace flashkiln {
@@ -27,21 +53,20 @@ inline uint32_t load_shared_u32_at(uint32_t address) { uint32_t v; memcpy(&v, sh
 inline uint16_t load_shared_u16_at(uint32_t address) { uint16_t v; memcpy(&v, shared_window + address, 2); return v; }
 inline uint4 load_shared_u128_at(uint32_t address) { uint4 v; memcpy(&v, shared_window + address, 16); return v; }
 inline void store_shared_u32_at(uint32_t address, uint32_t value) { memcpy(shared_window + address, &value, 4); }
-}  // namespace flashkiln
 
-// A warp's shuffles, emulated by running each lane several times (run_warp): a shuffle receives
-// what the partner lane sent at the same shuffle of the pass before, and the last pass, once every
-// value sent through fewer shuffles than there are passes has settled, is the one that counts.
-constexpr int kShufflePasses = 4;
-static int shuffle_pass;
-static uint32_t shuffle_sent[2][32][64];
-static int shuffle_calls[32];
-
-inline uint32_t __shfl_xor_sync(unsigned, uint32_t value, int lane_mask) {
-  const int lane = threadIdx.x % 32, call = shuffle_calls[lane]++;
-  shuffle_sent[shuffle_pass % 2][lane][call] = value;
-  return shuffle_sent[(shuffle_pass + 1) % 2][lane ^ lane_mask][call];
+// ldmatrix.x4.trans as PTX defines it: lane l receives, of block b, entry l / 4 of the rows that
+// lanes 8 b + 2 (l % 4) and 8 b + 2 (l % 4) + 1 gave the addresses of.
+inline void load_blocks_transposed(uint32_t address, uint32_t (&out)[4]) {
+  const Sent rows = collective(address);
+  const int lane = threadIdx.x % 32;
+  for (int b = 0; b < 4; ++b) {
+    uint16_t low, high;
+    memcpy(&low, shared_window + rows[8 * b + 2 * (lane % 4)] + 2 * (lane / 4), 2);
+    memcpy(&high, shared_window + rows[8 * b + 2 * (lane % 4) + 1] + 2 * (lane / 4), 2);
+    out[b] = low | uint32_t(high) << 16;
+  }
 }
+}  // namespace flashkiln
 
 // PTX prmt's default mode: byte i of the result is byte (selector >> 4 i) & 7 of b:a.
 inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
@@ -181,16 +206,16 @@ void check_dq_tile() {
   report(ok, "dQ accumulator tile", 64, kDim);
 }
 
-// Runs body(thread, last) for the 32 threads of warp `warp` of a warpgroup, kShufflePasses times
-// (see __shfl_xor_sync); `last` on the pass whose results count.
+// Runs body(thread, last) for the 32 threads of warp `warp` of a warpgroup, kCollectivePasses times
+// (see collective); `last` on the pass whose results count.
 template <class Body>
 void run_warp(int warp, Body&& body) {
-  memset(shuffle_sent, 0, sizeof(shuffle_sent));
-  for (shuffle_pass = 0; shuffle_pass < kShufflePasses; ++shuffle_pass) {
-    memset(shuffle_calls, 0, sizeof(shuffle_calls));
+  memset(collective_sent, 0, sizeof(collective_sent));
+  for (collective_pass = 0; collective_pass < kCollectivePasses; ++collective_pass) {
+    memset(collective_calls, 0, sizeof(collective_calls));
     for (int lane = 0; lane < 32; ++lane) {
       threadIdx.x = 32 * warp + lane;
-      body(int(threadIdx.x), shuffle_pass == kShufflePasses - 1);
+      body(int(threadIdx.x), collective_pass == kCollectivePasses - 1);
     }
   }
 }
@@ -248,6 +273,48 @@ void check_transposed_rows() {
   report(ok, "transposed fragment rows", kRows, kKeys);
 }
 
+// bias_transposed_into: a (kRows, kKeys) bias tile in TMA's layout, added to the same warpgroup
+// fragments of S^T as check_transposed_rows's (split by keys, or by rows where kKeys is 64), each
+// entry must gain its own (row, key)'s bias; kRowBroadcast: row 0's (a bias broadcast over the rows
+// fills only each box's first row), for every row.
+template <int kRows, int kKeys, bool kRowBroadcast>
+void check_bias_transposed() {
+  constexpr bool kSplitRows = kKeys == 64;
+  constexpr int kFragRows = kSplitRows ? kRows / 2 : kRows;
+  using Atom = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kFragRows>, _64>, GMMA::Major::K,
+                                             GMMA::Major::K>());
+  auto mma = make_tiled_mma(Atom{});
+  auto bias = [](int row, int key) { return float((row * 7 + key * 3) % 251); };  // exact in bf16
+  using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, 64>{}, Shape<Int<kRows>, Int<kKeys>>{}));
+  alignas(1024) static Elem buffer[kRows * kKeys];
+  auto tile = make_tensor(make_smem_ptr(buffer), Layout{});
+  for (int row = 0; row < kRows; ++row) {
+    for (int key = 0; key < kKeys; ++key) {
+      tile(row, key) = Elem(kRowBroadcast && row > 0 ? -1.f : bias(row, key));  // one row: the rest unread
+    }
+  }
+  flashkiln::shared_window = reinterpret_cast<char*>(buffer);
+  bool ok = true;
+  for (int warpgroup = 0; warpgroup < 2; ++warpgroup) {
+    const auto first = kSplitRows ? make_coord(0, kFragRows * warpgroup) : make_coord(64 * warpgroup, 0);
+    for (int warp = 0; warp < 4; ++warp) {
+      run_warp(warp, [&](int t, bool last) {
+        Tensor entries = domain_offset(first, make_identity_tensor(Shape<_64, Int<kFragRows>>{}));
+        Tensor coords = mma.get_thread_slice(t).partition_C(entries);  // (key, row)
+        Tensor acc = make_tensor<float>(size(coords));
+        for (int i = 0; i < size(acc); ++i) {
+          acc(i) = 0.5f;
+        }
+        bias_transposed_into<kRows, kFragRows, kRowBroadcast, Elem>(acc, coords, 0, 1.f);
+        for (int i = 0; last && i < size(acc); ++i) {
+          ok &= acc(i) == 0.5f + bias(kRowBroadcast ? 0 : get<1>(coords(i)), get<0>(coords(i)));
+        }
+      });
+    }
+  }
+  report(ok, kRowBroadcast ? "bias tile into S^T (one row)" : "bias tile into S^T", kRows, kKeys);
+}
+
 int main() {
   // 128-byte boxes: head dims 64, 128 and 256, and the (keys, rows) tiles of P^T and dS.
   check_swizzled_tile<64, 64, 64>();
@@ -268,5 +335,9 @@ int main() {
   // The backward's (query rows, keys) tiles with a bias: 64 x 128 split by keys, 64 x 64 by rows.
   check_transposed_rows<64, 128>();
   check_transposed_rows<64, 64>();
+  check_bias_transposed<64, 128, false>();
+  check_bias_transposed<64, 64, false>();
+  check_bias_transposed<64, 128, true>();
+  check_bias_transposed<64, 64, true>();
   return failures;
 }

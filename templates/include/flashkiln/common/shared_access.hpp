@@ -10,8 +10,8 @@
 
 namespace flashkiln {
 
-// tests/host/tile_layouts.cpp defines FLASHKILN_HOST_SHARED_ACCESS and these four functions over a
-// host buffer, to check the kernels' shared-memory arithmetic without a GPU.
+// tests/host/tile_layouts.cpp defines FLASHKILN_HOST_SHARED_ACCESS and these functions over a host
+// buffer, to check the kernels' shared-memory arithmetic without a GPU.
 #ifndef FLASHKILN_HOST_SHARED_ACCESS
 // `address`: in the shared window (cute::cast_smem_ptr_to_uint).
 __device__ __forceinline__ uint32_t load_shared_u32_at(uint32_t address) {
@@ -36,6 +36,15 @@ __device__ __forceinline__ uint4 load_shared_u128_at(uint32_t address) {
 
 __device__ __forceinline__ void store_shared_u32_at(uint32_t address, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(value) : "memory");
+}
+
+// Four 8 x 8 blocks of 2-byte entries, transposed (a warp's ldmatrix): lane l gives the address of
+// row l % 8 of block l / 8 (8 entries, 16 bytes) and receives, from block b, the entries
+// (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4) in out[b].
+__device__ __forceinline__ void load_blocks_transposed(uint32_t address, uint32_t (&out)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
+               : "r"(address));
 }
 #endif
 

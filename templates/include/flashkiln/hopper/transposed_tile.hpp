@@ -15,20 +15,12 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
-// Four 8 x 8 blocks of 2-byte entries, transposed: lane l gives the address of row l % 8 of block
-// l / 8 (8 entries, 16 bytes) and receives, from block b, the entries (2 (l % 4), l / 4) and
-// (2 (l % 4) + 1, l / 4) in out[b].
-__device__ __forceinline__ void load_blocks_transposed(uint32_t address, uint32_t (&out)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
-               : "r"(address));
-}
-
 // The bias tile at shared address `tile`, a (kRows query rows, keys) tile, divided by the scale and
 // added to acc, a transposed (keys, rows) accumulator (S^T) of kFragRows of the rows (all, or a
 // warpgroup's part where the warpgroups split them): each of a lane's (key, row pair) is what
-// ldmatrix.trans hands it of an 8 x 8 block of 8 rows by 8 keys (load_blocks_transposed), so
-// 8 x 4 blocks per warp come in 4 loads. kRowBroadcast: every row reads row 0, one 2-byte load per key.
+// ldmatrix.trans hands it of an 8 x 8 block of 8 rows by 8 keys (load_blocks_transposed,
+// common/shared_access.hpp), so 8 x 4 blocks per warp come in 4 loads. kRowBroadcast: every row
+// reads row 0, one 2-byte load per key.
 template <int kRows, int kFragRows, bool kRowBroadcast, class Element, class Acc, class Coords>
 __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coords, uint32_t tile, float inv_scale) {
   static_assert(sizeof(Element) == 2, "2-byte entries");
