@@ -220,19 +220,38 @@ void run_warp(int warp, Body&& body) {
   }
 }
 
-// for_rows_of_transposed and store_rows_of_transposed over the two consumer warpgroups' m64 (keys,
-// rows) fragments of 2-byte entries, as the backward's S^T GEMM partitions them (dS^T in the element
-// type), each entry holding its own (row, key), for a (kRows, kKeys) tile: split by keys (64 each,
-// kKeys 128) or by rows (kRows / 2 each, kKeys 64: split columns). Every entry must come out once,
-// at the coordinates it is emitted with, and land where TMA's layout of a bias tile keeps it (a
-// full bias's dS is stored there).
+// The rows of a consumer warpgroup's fragment of a (kRows, kKeys) tile of S^T: all, where the two
+// split the keys (64 each, kKeys 128), or half, where they split the rows (kKeys 64: split columns).
 template <int kRows, int kKeys>
-void check_transposed_rows() {
+constexpr int kFragmentRows = kKeys == 64 ? kRows / 2 : kRows;
+
+// Runs body(coords, last) for every thread of the two consumer warpgroups, over their m64 (keys,
+// rows) fragments of S^T as the backward's GEMM partitions a (kRows, kKeys) tile; coords(i) is
+// entry i's (key, row). `last` as run_warp's.
+template <int kRows, int kKeys, class Body>
+void for_consumer_fragments(Body&& body) {
   constexpr bool kSplitRows = kKeys == 64;
-  constexpr int kFragRows = kSplitRows ? kRows / 2 : kRows;
+  constexpr int kFragRows = kFragmentRows<kRows, kKeys>;
   using Atom = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kFragRows>, _64>, GMMA::Major::K,
                                              GMMA::Major::K>());
   auto mma = make_tiled_mma(Atom{});
+  for (int warpgroup = 0; warpgroup < 2; ++warpgroup) {
+    const auto first = kSplitRows ? make_coord(0, kFragRows * warpgroup) : make_coord(64 * warpgroup, 0);
+    for (int warp = 0; warp < 4; ++warp) {
+      run_warp(warp, [&](int t, bool last) {
+        Tensor entries = domain_offset(first, make_identity_tensor(Shape<_64, Int<kFragRows>>{}));
+        body(mma.get_thread_slice(t).partition_C(entries), last);
+      });
+    }
+  }
+}
+
+// for_rows_of_transposed and store_rows_of_transposed over the consumers' fragments of 2-byte entries
+// (dS^T in the element type), each entry holding its own (row, key): every entry must come out
+// once, at the coordinates it is emitted with, and land where TMA's layout of a bias tile keeps it
+// (a full bias's dS is stored there).
+template <int kRows, int kKeys>
+void check_transposed_rows() {
   auto entry = [](int row, int key) { return uint32_t(row * 256 + key); };
   bool ok = true;
   static int seen_pairs[kRows][kKeys];
@@ -240,27 +259,20 @@ void check_transposed_rows() {
   alignas(1024) static uint16_t buffer[kRows * kKeys];
   memset(buffer, 0xff, sizeof(buffer));
   flashkiln::shared_window = reinterpret_cast<char*>(buffer);
-  for (int warpgroup = 0; warpgroup < 2; ++warpgroup) {
-    const auto first = kSplitRows ? make_coord(0, kFragRows * warpgroup) : make_coord(64 * warpgroup, 0);
-    for (int warp = 0; warp < 4; ++warp) {
-      run_warp(warp, [&](int t, bool last) {
-        Tensor entries = domain_offset(first, make_identity_tensor(Shape<_64, Int<kFragRows>>{}));
-        Tensor coords = mma.get_thread_slice(t).partition_C(entries);  // (key, row)
-        Tensor frag = make_tensor<uint16_t>(size(coords));
-        for (int i = 0; i < size(frag); ++i) {
-          frag(i) = uint16_t(entry(get<1>(coords(i)), get<0>(coords(i))));
-        }
-        for_rows_of_transposed(frag, coords, [&](int row, int key, uint32_t keys) {
-          if (last) {
-            ok &= key % 2 == 0 && keys == (entry(row, key) | entry(row, key + 1) << 16);
-            ++seen_pairs[row][key];
-          }
-        });
-        // Every pass (its shuffles must run in each); the last one's values overwrite the others'.
-        store_rows_of_transposed<kRows>(frag, coords, 0);
-      });
+  for_consumer_fragments<kRows, kKeys>([&](auto const& coords, bool last) {
+    Tensor frag = make_tensor<uint16_t>(size(coords));
+    for (int i = 0; i < size(frag); ++i) {
+      frag(i) = uint16_t(entry(get<1>(coords(i)), get<0>(coords(i))));
     }
-  }
+    for_rows_of_transposed(frag, coords, [&](int row, int key, uint32_t keys) {
+      if (last) {
+        ok &= key % 2 == 0 && keys == (entry(row, key) | entry(row, key + 1) << 16);
+        ++seen_pairs[row][key];
+      }
+    });
+    // Every pass (its shuffles must run in each); the last one's values overwrite the others'.
+    store_rows_of_transposed<kRows>(frag, coords, 0);
+  });
   using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, 64>{}, Shape<Int<kRows>, Int<kKeys>>{}));
   auto tile = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(buffer)), Layout{});
   for (int row = 0; row < kRows; ++row) {
@@ -273,17 +285,11 @@ void check_transposed_rows() {
   report(ok, "transposed fragment rows", kRows, kKeys);
 }
 
-// bias_transposed_into: a (kRows, kKeys) bias tile in TMA's layout, added to the same warpgroup
-// fragments of S^T as check_transposed_rows's (split by keys, or by rows where kKeys is 64), each
-// entry must gain its own (row, key)'s bias; kRowBroadcast: row 0's (a bias broadcast over the rows
-// fills only each box's first row), for every row.
+// bias_transposed_into: a (kRows, kKeys) bias tile in TMA's layout, added to the consumers'
+// fragments of S^T, each entry must gain its own (row, key)'s bias; kRowBroadcast: row 0's (a bias
+// broadcast over the rows fills only each box's first row), for every row.
 template <int kRows, int kKeys, bool kRowBroadcast>
 void check_bias_transposed() {
-  constexpr bool kSplitRows = kKeys == 64;
-  constexpr int kFragRows = kSplitRows ? kRows / 2 : kRows;
-  using Atom = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kFragRows>, _64>, GMMA::Major::K,
-                                             GMMA::Major::K>());
-  auto mma = make_tiled_mma(Atom{});
   auto bias = [](int row, int key) { return float((row * 7 + key * 3) % 251); };  // exact in bf16
   using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, 64>{}, Shape<Int<kRows>, Int<kKeys>>{}));
   alignas(1024) static Elem buffer[kRows * kKeys];
@@ -295,23 +301,16 @@ void check_bias_transposed() {
   }
   flashkiln::shared_window = reinterpret_cast<char*>(buffer);
   bool ok = true;
-  for (int warpgroup = 0; warpgroup < 2; ++warpgroup) {
-    const auto first = kSplitRows ? make_coord(0, kFragRows * warpgroup) : make_coord(64 * warpgroup, 0);
-    for (int warp = 0; warp < 4; ++warp) {
-      run_warp(warp, [&](int t, bool last) {
-        Tensor entries = domain_offset(first, make_identity_tensor(Shape<_64, Int<kFragRows>>{}));
-        Tensor coords = mma.get_thread_slice(t).partition_C(entries);  // (key, row)
-        Tensor acc = make_tensor<float>(size(coords));
-        for (int i = 0; i < size(acc); ++i) {
-          acc(i) = 0.5f;
-        }
-        bias_transposed_into<kRows, kFragRows, kRowBroadcast, Elem>(acc, coords, 0, 1.f);
-        for (int i = 0; last && i < size(acc); ++i) {
-          ok &= acc(i) == 0.5f + bias(kRowBroadcast ? 0 : get<1>(coords(i)), get<0>(coords(i)));
-        }
-      });
+  for_consumer_fragments<kRows, kKeys>([&](auto const& coords, bool last) {
+    Tensor acc = make_tensor<float>(size(coords));
+    for (int i = 0; i < size(acc); ++i) {
+      acc(i) = 0.5f;
     }
-  }
+    bias_transposed_into<kRows, kFragmentRows<kRows, kKeys>, kRowBroadcast, Elem>(acc, coords, 0, 1.f);
+    for (int i = 0; last && i < size(acc); ++i) {
+      ok &= acc(i) == 0.5f + bias(kRowBroadcast ? 0 : get<1>(coords(i)), get<0>(coords(i)));
+    }
+  });
   report(ok, kRowBroadcast ? "bias tile into S^T (one row)" : "bias tile into S^T", kRows, kKeys);
 }
 
