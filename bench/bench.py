@@ -69,6 +69,11 @@ def visible_pairs(sq: int, sk: int, causal: bool) -> int:
     return full * (full + 1) // 2 + max(0, sq - sk) * sk
 
 
+def window_of(w: int, causal: bool) -> tuple[int, int]:
+    """The benchmarks' window of width w: (w, w), or (w, 0) under a causal mask; w = -1: none."""
+    return w, 0 if causal else w
+
+
 def window_band(sq: int, sk: int, left: int, right: int) -> tuple[int, int]:
     """The key-minus-query offsets j - i that window (left, right) leaves visible, FlashAttention's
     rule: i + S_k - S_q - left <= j <= i + S_k - S_q + right; -1: unbounded (a bound past every pair)."""
@@ -361,7 +366,7 @@ def run(args: argparse.Namespace) -> dict:
                 if args.window:
                     peak = (lambda attend: peak_mib(attend, d, s)) if (d, s) in MEMORY_SHAPES else None
                     for w in (-1, *args.windows):  # -1: without a window, the reference rate
-                        left, right = w, 0 if causal else w
+                        left, right = window_of(w, causal)
                         record(rows, window_cases(args.passes, s, causal, left, right), leaves, dout,
                                4 * b * h * d * window_visible_pairs(s, s, left, right), args, peak,
                                d=d, causal=causal, seqlen=s, window=w, batch=b, heads=h)

@@ -8,7 +8,9 @@ Usage: tools/pyenv.sh python3 tools/bwd_kernels.py [--reps N] [--cases d:S[:caus
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import flashkiln
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from bench import window_of  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 
 def kernel_times(run, reps: int) -> dict[str, float]:
@@ -43,7 +48,7 @@ def main() -> None:
         d, s, *rest = case.split(":")
         d, s, causal = int(d), int(s), "causal" in rest
         widths = [int(token[1:]) for token in rest if token.startswith("w")]
-        window = (widths[0], 0 if causal else widths[0]) if widths else None
+        window = window_of(widths[0], causal) if widths else None
         b, h = 16384 // s, 2048 // d
         q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         mode = "bottom_right" if causal else None

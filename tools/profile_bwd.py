@@ -8,6 +8,7 @@ so its backward then stays full.)
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,13 +16,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashkiln
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from bench import window_of  # noqa: E402  (bench/ is a folder of scripts, not a package)
+
 
 def main() -> None:
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     s = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
     causal = len(sys.argv) > 3 and sys.argv[3] == "causal"
     width = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    window = None if width is None else (width, 0 if causal else width)
+    window = None if width is None else window_of(width, causal)
     b, h = 16384 // s, 2048 // d
     q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     mode = "top_left" if causal else None

@@ -20,7 +20,7 @@ import torch
 import flashkiln
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from bench import WINDOWS, time_ms, window_visible_pairs  # noqa: E402  (bench/ is a folder of scripts)
+from bench import WINDOWS, time_ms, window_of, window_visible_pairs  # noqa: E402  (bench/ is a folder of scripts)
 
 SOFTCAP = 30.0  # Gemma 2's attention cap is 50; any cap costs the same
 
@@ -29,7 +29,7 @@ def variants(mod: str, causal: bool) -> list[tuple[str, dict, tuple[int, int]]]:
     """(label, extra arguments, window for the pair count) per timed call, the reference first."""
     if mod == "softcap":
         return [("none", {}, (-1, -1)), (f"softcap {SOFTCAP:g}", {"softcap": SOFTCAP}, (-1, -1))]
-    return [("w=-1", {}, (-1, -1))] + [(f"w={w}", {"window_size": (w, 0 if causal else w)}, (w, 0 if causal else w))
+    return [("w=-1", {}, (-1, -1))] + [(f"w={w}", {"window_size": window_of(w, causal)}, window_of(w, causal))
                                        for w in WINDOWS]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from flashkiln.visibility import needs_mask, visibility, visible_key_tiles, visiting_query_tiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from bench import window_visible_pairs  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from bench import window_of, window_visible_pairs  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 
 def visited_tiles(seqlen: int, causal: bool, window: tuple[int, int], kind: str, tile_m: int,
@@ -48,7 +48,7 @@ def main() -> None:
         for causal in (False, True):
             cells = []
             for w in args.windows:
-                window = (w, 0 if causal else w)
+                window = window_of(w, causal)
                 tiles, masked = visited_tiles(args.seqlen, causal, window, kind, tile_m, tile_n)
                 covered = window_visible_pairs(args.seqlen, args.seqlen, *window) / (tiles * tile_m * tile_n)
                 cells.append(f"{covered:.3f} ({masked / tiles:.2f})")
