@@ -296,7 +296,9 @@ __device__ __forceinline__ void pass_dbias_turns(HopperBwdParams const& p, typen
 
 // Entry `entry` of query tile m's RowStats: [0, kBlockM) the LSE (base 2) of one row each, the
 // next kBlockM its delta, the next its sink weight (with kSinkGrad), beyond them nothing. Consumer
-// thread t loads entries t + j kConsumerThreads, j < kStatSlots.
+// thread t loads entries t + j kConsumerThreads, j < kStatSlots, a tile ahead. A sink weight is
+// loaded as its row's LSE and finished (finish_row_stat) when stored: its exponential would
+// otherwise wait on the load at the tile's start.
 template <class T, bool kSinkGrad>
 __device__ __forceinline__ float row_stat(HopperBwdParams const& p, Sequence const& s, int entry, int m, int head) {
   const int row = m * T::kBlockM + entry % T::kBlockM;
@@ -305,19 +307,25 @@ __device__ __forceinline__ float row_stat(HopperBwdParams const& p, Sequence con
     return 0.f;
   }
   if (row >= s.seqlen_q) {
-    return kind == 0 ? kInfinity : 0.f;  // P = 0 for rows past the sequence
+    return kind == 1 ? 0.f : kInfinity;  // P = 0 for rows past the sequence (a sink weight's exp2(-inf))
   }
   const int64_t index = s.q_row(p, head) + row;
   if (kind == 1) {
     return reinterpret_cast<float const*>(p.delta)[index];
   }
-  const float lse_log2 = reinterpret_cast<float const*>(p.lse)[index] * kLog2e;
-  if (!kSinkGrad || kind == 0) {
-    // A row that sees no key (a bias or mask can hide all of them) has LSE = -inf: P = 0 then.
-    return lse_log2 == -kInfinity ? kInfinity : lse_log2;
+  const float lse = reinterpret_cast<float const*>(p.lse)[index];
+  if (kind == 2) {
+    return lse;  // with a sink the LSE includes it, so it is finite
   }
-  // With a sink the LSE includes it, so it is finite.
-  return exp2f(reinterpret_cast<float const*>(p.sink)[head] * kLog2e - lse_log2);
+  // A row that sees no key (a bias or mask can hide all of them) has LSE = -inf: P = 0 then.
+  return lse == -kInfinity ? kInfinity : lse * kLog2e;
+}
+
+// A loaded entry as RowStats holds it: a sink weight exp2(sink - LSE) in base 2 (`sink_log2`: the
+// head's sink logit in base 2, read with kSinkGrad only); every other entry as loaded.
+template <class T, bool kSinkGrad>
+__device__ __forceinline__ float finish_row_stat(float value, int entry, float sink_log2) {
+  return kSinkGrad && entry / T::kBlockM == 2 ? exp2f(sink_log2 - value * kLog2e) : value;
 }
 
 template <class T>
@@ -397,10 +405,12 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       values[j] = row_stat<T, kSinkGrad>(p, s, thread + j * T::kConsumerThreads, m, head);
     }
   };
+  const float sink_log2 = kSinkGrad ? reinterpret_cast<float const*>(p.sink)[head] * kLog2e : 0.f;
   auto store_stats = [&](typename T::RowStats& stats, float const (&values)[kStatSlots]) {
     CUTE_UNROLL
     for (int j = 0; j < kStatSlots; ++j) {
-      store_row_stat<T>(stats, thread + j * T::kConsumerThreads, values[j]);
+      const int entry = thread + j * T::kConsumerThreads;
+      store_row_stat<T>(stats, entry, finish_row_stat<T, kSinkGrad>(values[j], entry, sink_log2));
     }
   };
 
@@ -514,6 +524,17 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     discard_operand(acc_dp);
     wgmma_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.stage), acc_s);
     wgmma_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.stage), acc_dp);
+    // The LSEs of this thread's first kEarlyRows rows (row_first + 8 j + e, e < 2), read while S^T
+    // is computed, so that the first exponentials after its wait do not wait on them; the other
+    // rows' reads overlap those exponentials (each early row holds a register across the GEMM).
+    constexpr int kEarlyRows = 4;
+    const int row_first = get<1>(cS(0));
+    auto slot_of = [&](int row) { return (row - row_first) / 8 * 2 + (row - row_first) % 2; };
+    float early_lse[kEarlyRows];
+    CUTE_UNROLL
+    for (int j = 0; j < kEarlyRows; ++j) {
+      early_lse[j] = stats.lse_log2[row_first + j / 2 * 8 + j % 2];
+    }
     warpgroup_wait<1>();  // S^T
     // A softcap's slope per score, for dS (common/softcap.hpp); unused, it holds no registers.
     auto slopes = make_fragment_like<cutlass::half_t>(acc_s);
@@ -538,7 +559,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       for (int i = 0; i < size(acc_s); ++i) {
         const int key = get<0>(cS(i));
         const int row = get<1>(cS(i));
-        float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -stats.lse_log2[row]));
+        const int slot = slot_of(row);
+        const float lse_log2 = slot < kEarlyRows ? early_lse[slot] : stats.lse_log2[row];
+        float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -lse_log2));
         if constexpr (decltype(masked)::value) {
           bool visible = row0 + row < s.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
           if constexpr (decltype(vis)::kLeftEdge) {
@@ -630,9 +653,6 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       }
     }
     ds_regs = convert_fragment<Element>(acc_dp);
-    if constexpr (!T::kSplitColumns) {
-      wgmma_gemm<false>(mma_dk, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
-    }
     if constexpr (T::kBiasGrad) {
       if (p.ds_workspace != 0) {
         // Into the stage's bias tile, for the producer's store (store_ds_tile): a warp writes the
@@ -688,19 +708,25 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         // dV and dK have read Q and dO: the next tile's load starts under dQ's GEMM.
         warpgroup_wait<1>();
         Barrier::arrive(&ss.q_empty[st.stage]);
+        warpgroup_wait<0>();
+        stage_dq();
+      } else {
+        // dK after dQ, so that dQ is staged while dK's GEMM runs.
+        wgmma_gemm<false>(mma_dk, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
+        warpgroup_wait<1>();
+        stage_dq();
+        warpgroup_wait<0>();
       }
-      warpgroup_wait<0>();
     } else {
+      if constexpr (!T::kSplitColumns) {
+        wgmma_gemm<false>(mma_dk, tdKrdS, tdKrQ(_, _, _, st.stage), acc_dk);
+      }
       warpgroup_wait<0>();
     }
     if constexpr (!T::kSplitColumns) {
       Barrier::arrive(&ss.q_empty[st.stage]);  // Q and dO of this stage are read
     }
     st.advance();
-
-    if (own_dq) {
-      stage_dq();
-    }
   }
 
   if constexpr (T::kBiasGrad) {
