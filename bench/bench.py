@@ -70,7 +70,8 @@ def visible_pairs(sq: int, sk: int, causal: bool) -> int:
 
 
 def window_of(w: int, causal: bool) -> tuple[int, int]:
-    """The benchmarks' window of width w: (w, w), or (w, 0) under a causal mask; w = -1: none."""
+    """The benchmarks' window of width w: (w, w), or (w, 0) under a causal mask. w = -1 leaves the
+    left side unbounded: no window, or under a causal mask none beyond it."""
     return w, 0 if causal else w
 
 

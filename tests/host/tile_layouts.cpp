@@ -102,14 +102,19 @@ struct FragmentCoords {
   auto operator()(int i) const { return cute::make_tuple(r0 + 8 * (i / 2 % 2), c0 + i % 2 + 8 * (i / 4)); }
 };
 
+// TMA's (and wgmma's) layout of a (kRows, kCols) tile of 2-byte entries in swizzled boxes of
+// kBoxCols columns; a bias tile (where the backward reads a bias and stores a full bias's dS) has
+// boxes of 64 keys.
+template <int kRows, int kCols, int kBoxCols = 64>
+using BoxTileLayout = decltype(tile_to_shape(BoxSmemAtom<Elem, kBoxCols>{}, Shape<Int<kRows>, Int<kCols>>{}));
+
 // swizzled_offset, SwizzledPairs, zero_rows and copy_rows_out against the TMA/wgmma
 // layout of a (kRows, kCols) tile of 2-byte entries in swizzled boxes of kBoxCols columns
 // (head_boxes.hpp: 128-byte boxes of 64, or 64-byte ones of 32).
 template <int kRows, int kCols, int kBoxCols>
 void check_swizzled_tile() {
-  using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, kBoxCols>{}, Shape<Int<kRows>, Int<kCols>>{}));
   alignas(1024) static Elem buffer[kRows * kCols];
-  auto tile = make_tensor(make_smem_ptr(buffer), Layout{});
+  auto tile = make_tensor(make_smem_ptr(buffer), BoxTileLayout<kRows, kCols, kBoxCols>{});
   auto byte_of = [&](int r, int c) { return long((char*)raw_pointer_cast(&tile(r, c)) - (char*)buffer); };
   bool ok = true;
   for (int r = 0; r < kRows; ++r) {
@@ -273,8 +278,7 @@ void check_transposed_rows() {
     // Every pass (its shuffles must run in each); the last one's values overwrite the others'.
     store_rows_of_transposed<kRows>(frag, coords, 0);
   });
-  using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, 64>{}, Shape<Int<kRows>, Int<kKeys>>{}));
-  auto tile = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(buffer)), Layout{});
+  auto tile = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(buffer)), BoxTileLayout<kRows, kKeys>{});
   for (int row = 0; row < kRows; ++row) {
     for (int key = 0; key < kKeys; ++key) {
       uint16_t bits;
@@ -291,9 +295,8 @@ void check_transposed_rows() {
 template <int kRows, int kKeys, bool kRowBroadcast>
 void check_bias_transposed() {
   auto bias = [](int row, int key) { return float((row * 7 + key * 3) % 251); };  // exact in bf16
-  using Layout = decltype(tile_to_shape(BoxSmemAtom<Elem, 64>{}, Shape<Int<kRows>, Int<kKeys>>{}));
   alignas(1024) static Elem buffer[kRows * kKeys];
-  auto tile = make_tensor(make_smem_ptr(buffer), Layout{});
+  auto tile = make_tensor(make_smem_ptr(buffer), BoxTileLayout<kRows, kKeys>{});
   for (int row = 0; row < kRows; ++row) {
     for (int key = 0; key < kKeys; ++key) {
       tile(row, key) = Elem(kRowBroadcast && row > 0 ? -1.f : bias(row, key));  // one row: the rest unread
