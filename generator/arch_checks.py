@@ -9,7 +9,7 @@ from pathlib import Path
 from flashkiln.archs import ARCHS
 from flashkiln.manifest import KernelEntry, Manifest
 
-from .sass import disassemble, opcode_counts, resource_usage
+from .sass import disassemble, functions, opcode_counts, resource_usage
 
 MAX_THREADS_PER_BLOCK = 1024
 REGISTERS_PER_SM = 65536
@@ -65,6 +65,5 @@ def check_directory(directory: Path, archs: tuple[str, ...] | None = None) -> di
 
 
 def _opcodes_per_symbol(sass: str) -> dict[str, dict[str, int]]:
-    """cuobjdump --dump-sass output split at each `Function : <symbol>` header, counted per part."""
-    parts = sass.split("Function : ")
-    return {part.split(None, 1)[0]: dict(opcode_counts(part)) for part in parts[1:]}
+    """cuobjdump --dump-sass output's opcodes, counted per function."""
+    return {symbol: dict(opcode_counts(part)) for symbol, part in functions(sass).items()}
