@@ -70,13 +70,14 @@ def natural_loops(function_sass: str) -> list[Loop]:
     code = [(int(a, 16), bool(predicate), opcode, operands)
             for a, predicate, opcode, operands in _INSTRUCTION.findall(function_sass)]
     predecessors: dict[int, set[int]] = collections.defaultdict(set)
-    back_edges = []
+    back_edges: list[tuple[int, int]] = []
     for i, (address, predicated, opcode, operands) in enumerate(code):
         ends = not predicated and (opcode in ("EXIT", "RET") or (opcode == "BRA" and not operands.startswith(".DIV")))
-        if opcode == "BRA" and (target := _TARGET.search(operands)):
-            predecessors[int(target.group(1), 16)].add(address)
-            if int(target.group(1), 16) <= address:
-                back_edges.append((int(target.group(1), 16), address))
+        if opcode == "BRA" and (match := _TARGET.search(operands)):
+            target = int(match.group(1), 16)
+            predecessors[target].add(address)
+            if target <= address:
+                back_edges.append((target, address))
         if not ends and i + 1 < len(code):
             predecessors[code[i + 1][0]].add(address)
     opcode_at = {address: opcode for address, _, opcode, _ in code}

@@ -3,7 +3,7 @@ disassembly: nested loops, predicated branches and exits, and a block laid out i
 address range that the loop never reaches."""
 from __future__ import annotations
 
-from flashkiln.generator.sass import functions, natural_loops
+from flashkiln.generator.sass import Loop, functions, natural_loops
 
 
 def _sass(*lines: str) -> str:
@@ -29,7 +29,7 @@ NESTED = _sass(
 )
 
 
-def _loops() -> dict:
+def _loops() -> dict[tuple[int, int], Loop]:
     return {(loop.head, loop.tail): loop for loop in natural_loops(NESTED)}
 
 
