@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 from pathlib import Path
 
 from flashkiln.generator.sass import Loop, disassemble, functions, natural_loops
+from flashkiln.manifest import Manifest
 
 _LOCAL = ("LDL", "STL")
 
 
 def kernel_loops(build: Path, kernel: str, opcode: str, count: int) -> dict[str, list[Loop]]:
     """Per kernel symbol matching `kernel`, its `count` smallest loops that hold `opcode`."""
-    manifest = json.loads((build / "manifest.json").read_text())
-    cubins = sorted({entry["cubin"] for entry in manifest["kernels"] if re.search(kernel, entry["symbol"])})
+    cubins = sorted({entry.cubin for entry in Manifest.load(build).kernels if re.search(kernel, entry.symbol)})
     loops: dict[str, list[Loop]] = {}
     for cubin in cubins:
         for symbol, sass in functions(disassemble(build / cubin)).items():
