@@ -1,7 +1,7 @@
 """The hopper kernels' hand-written tile arithmetic (hopper/swizzled_tile.hpp with its row copy,
-bwd_dq_tiles.hpp, transposed_tile.hpp's row pairs and their stores into a bias tile) against CuTe's
-layouts of the same tiles, on the host: tests/host/tile_layouts.cpp, built with the host C++
-compiler and the generator's include dirs, checks every tile shape the kernels build.
+bwd_dq_tiles.hpp, transposed_tile.hpp's row pairs, runs of four keys and stores into a bias tile)
+against CuTe's layouts of the same tiles, on the host: tests/host/tile_layouts.cpp, built with the
+host C++ compiler and the generator's include dirs, checks every tile shape the kernels build.
 
 A wrong swizzle or accumulator order there gives wrong gradients only on a GPU; this finds it
 without one. The C++ is built with -fpermissive: CUTLASS's numeric conversions name device

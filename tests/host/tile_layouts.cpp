@@ -251,16 +251,17 @@ void for_consumer_fragments(Body&& body) {
   }
 }
 
-// for_rows_of_transposed and store_rows_of_transposed over the consumers' fragments of 2-byte entries
-// (dS^T in the element type), each entry holding its own (row, key): every entry must come out
-// once, at the coordinates it is emitted with, and land where TMA's layout of a bias tile keeps it
-// (a full bias's dS is stored there).
+// for_rows_of_transposed, for_quads_of_transposed and store_rows_of_transposed over the consumers'
+// fragments of 2-byte entries (dS^T in the element type), each entry holding its own (row, key):
+// every entry must come out once, at the coordinates it is emitted with (runs of four keys
+// 4-aligned), and land where TMA's layout of a bias tile keeps it (a full bias's dS is stored there).
 template <int kRows, int kKeys>
 void check_transposed_rows() {
   auto entry = [](int row, int key) { return uint32_t(row * 256 + key); };
   bool ok = true;
-  static int seen_pairs[kRows][kKeys];
+  static int seen_pairs[kRows][kKeys], seen_quads[kRows][kKeys];
   memset(seen_pairs, 0, sizeof(seen_pairs));
+  memset(seen_quads, 0, sizeof(seen_quads));
   alignas(1024) static uint16_t buffer[kRows * kKeys];
   memset(buffer, 0xff, sizeof(buffer));
   flashkiln::shared_window = reinterpret_cast<char*>(buffer);
@@ -275,6 +276,13 @@ void check_transposed_rows() {
         ++seen_pairs[row][key];
       }
     });
+    for_quads_of_transposed(frag, coords, [&](int row, int key, uint32_t low, uint32_t high) {
+      if (last) {
+        ok &= key % 4 == 0 && low == (entry(row, key) | entry(row, key + 1) << 16) &&
+              high == (entry(row, key + 2) | entry(row, key + 3) << 16);
+        ++seen_quads[row][key];
+      }
+    });
     // Every pass (its shuffles must run in each); the last one's values overwrite the others'.
     store_rows_of_transposed<kRows>(frag, coords, 0);
   });
@@ -283,7 +291,8 @@ void check_transposed_rows() {
     for (int key = 0; key < kKeys; ++key) {
       uint16_t bits;
       memcpy(&bits, raw_pointer_cast(&tile(row, key)), 2);
-      ok &= seen_pairs[row][key] == (key % 2 == 0) && bits == uint16_t(entry(row, key));
+      ok &= seen_pairs[row][key] == (key % 2 == 0) && seen_quads[row][key] == (key % 4 == 0) &&
+            bits == uint16_t(entry(row, key));
     }
   }
   report(ok, "transposed fragment rows", kRows, kKeys);

@@ -667,12 +667,14 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
                              int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ld;
         cutlass::NumericArrayConverter<float, Element, 2> convert;
         Barrier::wait(&ss.dbias_turn, i % 2);  // a turn per tile (pass_dbias_turns)
-        for_rows_of_transposed(ds_regs, cS, [&](int row, int key, uint32_t keys) {
+        // One 16-byte reduction per four keys (ld is a multiple of 8, so all four lie inside).
+        for_quads_of_transposed(ds_regs, cS, [&](int row, int key, uint32_t low, uint32_t high) {
           row += row0;
           key += key0;
           if (row < s.seqlen_q && key < ld) {
-            const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(keys));
-            atomicAdd(reinterpret_cast<float2*>(plane + int64_t(row) * ld + key), make_float2(pair[0], pair[1]));
+            const auto a = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(low));
+            const auto b = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(high));
+            reduce_add_quad(plane + int64_t(row) * ld + key, a[0], a[1], b[0], b[1]);
           }
         });
         Barrier::arrive(&ss.dbias_done);

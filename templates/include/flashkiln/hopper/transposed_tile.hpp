@@ -62,21 +62,60 @@ __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coo
   }
 }
 
-// A transposed (keys, rows) accumulator fragment of 2-byte entries as row-major (rows, keys) pairs: the entry pair i, i + 1 holds
-// rows r, r + 1 of one key, and lane l ^ 4 holds the same rows of the neighbouring key, so one
+// A transposed (keys, rows) accumulator fragment of 2-byte entries as row-major (rows, keys) pairs:
+// the entry pair i, i + 1 holds rows r, r + 1 of one key, and lane l ^ 4 holds the same rows of
+// the neighbouring key, so one
 // exchange gives each lane two neighbouring keys of one row (the even key's lane row r, the other
-// row r + 1). `emit(row, key, keys)` gets each pair with its coordinates in the tile (key even).
-// The pairs a warp emits are the entries its fragment holds.
-template <class Frag, class Coords, class Emit>
-__device__ __forceinline__ void for_rows_of_transposed(Frag const& frag, Coords const& coords, Emit&& emit) {
+// row r + 1). row_pair: entry pair i's, with its coordinates in the tile (key even).
+struct RowPair {
+  int row, key;
+  uint32_t keys;
+};
+
+template <class Frag, class Coords>
+__device__ __forceinline__ RowPair row_pair(Frag const& frag, Coords const& coords, int i) {
   static_assert(sizeof(typename Frag::value_type) == 2, "pairs of 2-byte entries");
   const bool even_key = (threadIdx.x / 4) % 2 == 0;  // keys k0 + lane / 4 (+ 8) of an m64 fragment
+  const uint32_t word = *reinterpret_cast<uint32_t const*>(&frag(i));
+  const uint32_t other = __shfl_xor_sync(0xffffffff, even_key ? word >> 16 : word & 0xffff, 4);
+  const uint32_t keys = even_key ? __byte_perm(word, other, 0x5410) : __byte_perm(other, word, 0x7610);
+  return {get<1>(coords(i)) + (even_key ? 0 : 1), get<0>(coords(i)) - (even_key ? 0 : 1), keys};
+}
+
+// `emit(row, key, keys)` gets each row pair of the fragment (row_pair). The pairs a warp emits are
+// the entries its fragment holds.
+template <class Frag, class Coords, class Emit>
+__device__ __forceinline__ void for_rows_of_transposed(Frag const& frag, Coords const& coords, Emit&& emit) {
   CUTE_UNROLL
   for (int i = 0; i < size(frag); i += 2) {
-    const uint32_t word = *reinterpret_cast<uint32_t const*>(&frag(i));
-    const uint32_t other = __shfl_xor_sync(0xffffffff, even_key ? word >> 16 : word & 0xffff, 4);
-    const uint32_t keys = even_key ? __byte_perm(word, other, 0x5410) : __byte_perm(other, word, 0x7610);
-    emit(get<1>(coords(i)) + (even_key ? 0 : 1), get<0>(coords(i)) - (even_key ? 0 : 1), keys);
+    const RowPair pair = row_pair(frag, coords, i);
+    emit(pair.row, pair.key, pair.keys);
+  }
+}
+
+// The row pairs joined into runs of four keys of one row. Lanes l and l ^ 8 hold the same rows'
+// pairs, two keys apart (the lane with l & 8 clear the first two, which start at a multiple of 4);
+// of a key's two pairs 8 rows apart, that lane takes the first rows' four keys and the other lane
+// the second rows'. `emit(row, key, low, high)` gets keys key, key + 1 in `low` and key + 2,
+// key + 3 in `high` (key % 4 == 0): half the emits of for_rows_of_transposed.
+template <class Frag, class Coords, class Emit>
+__device__ __forceinline__ void for_quads_of_transposed(Frag const& frag, Coords const& coords, Emit&& emit) {
+  const bool first_half = (threadIdx.x & 8) == 0;
+  const int r0 = get<1>(coords(0));
+  CUTE_UNROLL
+  for (int i = 0; i < size(frag); i += 2) {
+    CUTE_UNROLL
+    for (int i8 = 0; i8 < size(frag); i8 += 2) {
+      // Entry pair i8: the same key 8 rows on, from rows of even 8-row steps (compile-time once unrolled).
+      if ((get<1>(coords(i)) - r0) / 8 % 2 == 0 && get<0>(coords(i8)) == get<0>(coords(i)) &&
+          get<1>(coords(i8)) == get<1>(coords(i)) + 8) {
+        const RowPair first = row_pair(frag, coords, i), second = row_pair(frag, coords, i8);
+        const uint32_t other = __shfl_xor_sync(0xffffffff, first_half ? second.keys : first.keys, 8);
+        // (first and second hold one key; the lane l ^ 8 keys two on: this lane's key + 2 or - 2.)
+        emit(first_half ? first.row : second.row, first_half ? first.key : first.key - 2,
+             first_half ? first.keys : other, first_half ? other : second.keys);
+      }
+    }
   }
 }
 
