@@ -64,9 +64,9 @@ __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coo
 
 // A transposed (keys, rows) accumulator fragment of 2-byte entries as row-major (rows, keys) pairs:
 // the entry pair i, i + 1 holds rows r, r + 1 of one key, and lane l ^ 4 holds the same rows of
-// the neighbouring key, so one
-// exchange gives each lane two neighbouring keys of one row (the even key's lane row r, the other
-// row r + 1). row_pair: entry pair i's, with its coordinates in the tile (key even).
+// the neighbouring key, so one exchange gives each lane two neighbouring keys of one row (the even
+// key's lane row r, the other row r + 1). row_pair: entry pair i's, with its coordinates in the
+// tile (key even).
 struct RowPair {
   int row, key;
   uint32_t keys;
