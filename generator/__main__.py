@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .build import (DEFAULT_CACHE_DIR, GenerateError, MergeError, Selection, generate, merge, parse_archs, parse_shard,
                     plan_units)
+from .render import PROBES
 from .specs import SETS, SpecError, load_variants
 from .toolchain import ToolchainError
 
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--list", action="store_true", help="print the compile units and variants it would build, "
                                                            "compile nothing")
     p_gen.add_argument("--quiet", action="store_true", help="no per-unit report")
+    p_gen.add_argument("--probe", action="append", default=[], choices=sorted(PROBES),
+                       help="compile a measurement probe into every kernel (tools/bwd_timeline.py reads `timeline`); "
+                            "such a build is for measuring, not for shipping")
 
     p_merge = sub.add_parser("merge", help="combine the outputs of sharded generate runs")
     p_merge.add_argument("--out", type=Path, required=True)
@@ -67,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             selection = _selection(args, args.shard)
             if args.list:
-                units = plan_units(args.specs, selection)
+                units = plan_units(args.specs, selection, tuple(args.probe))
                 for unit in units:
                     print(f"{unit.name}: " + " ".join(v.descriptor.name for v in unit.variants))
                 print(f"{sum(len(u.variants) for u in units)} variant(s) in {len(units)} unit(s)", file=sys.stderr)
             else:
                 generate(args.specs, args.out, args.jobs, selection, args.cache_dir, progress=not args.no_progress,
-                         report=not args.quiet)
+                         report=not args.quiet, probes=tuple(args.probe))
         elif args.command == "merge":
             merge(args.out, args.shards)
         else:

@@ -54,18 +54,19 @@ class CompileUnit:
         return f"{first.kernel}_{first.family}_{first.arch.replace('_', '')}_{dims}_{self.key[:8]}"
 
 
-def make_unit(members: list[Variant]) -> CompileUnit:
-    """Variants of one unit_key rendered together, with their compile-cache key."""
+def make_unit(members: list[Variant], probes: tuple[str, ...] = ()) -> CompileUnit:
+    """Variants of one unit_key rendered together (with `probes`, render.PROBES), with their
+    compile-cache key."""
     members = sorted(members, key=lambda v: v.descriptor.name)
-    source = render_unit([v.descriptor for v in members])
+    source = render_unit([v.descriptor for v in members], probes)
     return CompileUnit(tuple(members), source, cache_key(source, toolchain().identity, members[0].descriptor.arch))
 
 
-def _units(variants: list[Variant]) -> list[CompileUnit]:
+def _units(variants: list[Variant], probes: tuple[str, ...]) -> list[CompileUnit]:
     groups: dict[tuple, list[Variant]] = {}
     for v in variants:
         groups.setdefault(unit_key(v.descriptor), []).append(v)
-    return sorted((make_unit(members) for members in groups.values()), key=lambda u: u.name)
+    return sorted((make_unit(members, probes) for members in groups.values()), key=lambda u: u.name)
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,9 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def plan_units(specs_dir: Path, selection: Selection = Selection()) -> list[CompileUnit]:
+def plan_units(specs_dir: Path, selection: Selection = Selection(), probes: tuple[str, ...] = ()) -> list[CompileUnit]:
     """The compile units a build would compile (rendered, keyed), without compiling anything."""
-    return selection.units(_units(selection.variants(load_variants(Path(specs_dir)))))
+    return selection.units(_units(selection.variants(load_variants(Path(specs_dir))), probes))
 
 
 def _compile_all(units: list[CompileUnit], workers: int, progress: bool) -> dict[str, CompileResult]:
@@ -221,9 +222,10 @@ def build_identity(specs_dir: Path) -> dict:
 
 
 def generate(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1, selection: Selection = Selection(),
-             cache_dir: Path = DEFAULT_CACHE_DIR, progress: bool = True, report: bool = False) -> Manifest:
+             cache_dir: Path = DEFAULT_CACHE_DIR, progress: bool = True, report: bool = False,
+             probes: tuple[str, ...] = ()) -> Manifest:
     start = time.perf_counter()
-    units = plan_units(specs_dir, selection)
+    units = plan_units(specs_dir, selection, probes)
     cache = CompileCache(cache_dir)
     results = {u.key: r for u in units if (r := cache.get(u.key)) is not None}
     missing = [u for u in units if u.key not in results]
@@ -240,7 +242,7 @@ def generate(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1,
         atomic_write(out_dir / f"{unit.name}.cubin", result.cubin, 0o644)
         atomic_write(out_dir / "src" / f"{unit.name}.cu", unit.source.encode(), 0o644)
         entries += [kernel_entry(v, result, f"{unit.name}.cubin") for v in unit.variants]
-    build = {**build_identity(specs_dir), "selection": selection.describe()}
+    build = {**build_identity(specs_dir), "selection": selection.describe(), "probes": sorted(set(probes))}
     manifest = Manifest(out_dir, build, tuple(sorted(entries, key=lambda e: e.name)))
     atomic_write(out_dir / MANIFEST_NAME, manifest.to_json().encode(), 0o644)
     _remove_stale(out_dir, {f"{u.name}.cubin" for u in units} | {f"{u.name}.cu" for u in units})
@@ -260,8 +262,8 @@ class MergeError(RuntimeError):
 def merge(out_dir: Path, shard_dirs: list[Path]) -> Manifest:
     """Combine the outputs of `generate --shard i/n` runs (from several machines) into one directory."""
     manifests = [Manifest.load(d) for d in shard_dirs]
-    identity_keys = ("flashkiln_version", "generator_version", "toolchain_identity", "specs_digest")
-    identities = {tuple(m.build.get(k) for k in identity_keys) for m in manifests}
+    identity_keys = ("flashkiln_version", "generator_version", "toolchain_identity", "specs_digest", "probes")
+    identities = {repr([m.build.get(k) for k in identity_keys]) for m in manifests}
     if len(identities) != 1:
         raise MergeError(f"the shards come from different builds ({', '.join(identity_keys)} differ): "
                          + "; ".join(f"{m.directory}: {[m.build.get(k) for k in identity_keys]}" for m in manifests))

@@ -46,11 +46,15 @@ def variant_context(d: VariantDescriptor) -> dict:
     }
 
 
-def unit_context(descriptors: list[VariantDescriptor]) -> dict:
+def unit_context(descriptors: list[VariantDescriptor], probes: tuple[str, ...] = ()) -> dict:
     first = descriptors[0]
     if any(unit_key(d) != unit_key(first) for d in descriptors):
         raise ValueError("variants of one unit may differ only in " + ", ".join(PER_ENTRY_FIELDS))
+    unknown = [p for p in probes if p not in PROBES]
+    if unknown:
+        raise ValueError(f"unknown probe(s) {', '.join(unknown)}: known are {', '.join(PROBES)}")
     return {
+        "probe_macros": [PROBES[p] for p in sorted(set(probes))],
         "family": first.family,
         "kernel": first.kernel,
         "arch": first.arch,
@@ -65,9 +69,16 @@ def template_for(d: VariantDescriptor) -> jinja2.Template:
     return environment().get_template(FAMILIES[d.family].template_name(d))
 
 
-def render_unit(descriptors: list[VariantDescriptor]) -> str:
-    """One translation unit for `descriptors` (a pure function of them, so the compile cache is too)."""
-    return template_for(descriptors[0]).render(**unit_context(descriptors))
+# Measurement probes a build can compile in (`generate --probe NAME`): the macro each defines at the
+# top of every unit. Headers compile a probe's code only under its macro, so the kernels of a build
+# without probes carry none of it.
+PROBES = {"timeline": "FLASHKILN_PROBE_TIMELINE"}
+
+
+def render_unit(descriptors: list[VariantDescriptor], probes: tuple[str, ...] = ()) -> str:
+    """One translation unit for `descriptors` with `probes` (a pure function of them, so the compile
+    cache is too)."""
+    return template_for(descriptors[0]).render(**unit_context(descriptors, probes))
 
 
 def render(d: VariantDescriptor) -> str:

@@ -27,6 +27,7 @@
 #include <flashkiln/hopper/pipeline.hpp>
 #include <flashkiln/hopper/shared_storage.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
+#include <flashkiln/hopper/timeline.hpp>
 #include <flashkiln/hopper/transposed_tile.hpp>
 
 namespace flashkiln::hopper {
@@ -180,7 +181,9 @@ __device__ __forceinline__ void produce(HopperBwdParams const& p, typename T::Sh
     }
     if constexpr (T::kBiasGrad) {
       if (drain != 0 && held >= 0) {
+        const TimelineSpan store = timeline_span();
         store_ds_tile<T>(p, ss, s, st.stage, sweep.tile(held), n_block, head);
+        timeline_add_span(kDsStoreClocks, store);
       }
     }
     if (i >= sweep.count) {
@@ -424,6 +427,10 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   }
   named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
   Barrier::wait(&ss.kv_full, 0);
+  if (thread == 0) {
+    timeline_clock(kKvClock);
+    timeline_record(kSweepTiles, sweep.count);
+  }
   if (s.packed && key0 + T::kBlockN > s.seqlen_k) {
     zero_past_end(ss.k, ss.v, s.seqlen_k - key0, Int<T::kBlockN>{});
   }
@@ -513,7 +520,14 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     typename T::RowStats const& stats = ss.stats[buffer];
     const int row0 = m * T::kBlockM;
 
+    const TimelineSpan stage_wait = timeline_span();
     Barrier::wait(&ss.q_full[st.stage], st.phase);
+    if (thread == 0) {
+      timeline_add_span(kStageWaitClocks, stage_wait);
+      if (i == 0) {
+        timeline_clock(kFirstStageClock);
+      }
+    }
     if (s.packed && row0 + T::kBlockM > s.seqlen_q) {
       zero_past_end(ss.q + st.stage * T::kElemsQ, ss.dout + st.stage * T::kElemsDo, s.seqlen_q - row0,
                     Int<T::kBlockM>{});
@@ -730,6 +744,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
     st.advance();
   }
+  if (thread == 0) {
+    timeline_clock(kSweepEndClock);
+  }
 
   if constexpr (T::kBiasGrad) {
     if (p.ds_workspace != 0) {
@@ -867,6 +884,9 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  if (threadIdx.x == 128) {
+    timeline_start();
+  }
 
   if (threadIdx.x < 128) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
@@ -884,6 +904,9 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
       consume<T, true>(p, ss, s, threadIdx.x - 128, n_block, head);
     } else {
       consume<T, false>(p, ss, s, threadIdx.x - 128, n_block, head);
+    }
+    if (threadIdx.x == 128) {
+      timeline_end();
     }
   }
 }
