@@ -19,6 +19,12 @@ from .families import FAMILIES
 from .toolchain import TEMPLATES_DIR
 
 
+# Measurement probes a build can compile in (`generate --probe NAME`): the macro each defines at the
+# top of every unit. Headers compile a probe's code only under its macro, so the kernels of a build
+# without probes carry none of it.
+PROBES = {"timeline": "FLASHKILN_PROBE_TIMELINE"}
+
+
 @functools.lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
     return jinja2.Environment(
@@ -67,12 +73,6 @@ def unit_context(descriptors: list[VariantDescriptor], probes: tuple[str, ...] =
 
 def template_for(d: VariantDescriptor) -> jinja2.Template:
     return environment().get_template(FAMILIES[d.family].template_name(d))
-
-
-# Measurement probes a build can compile in (`generate --probe NAME`): the macro each defines at the
-# top of every unit. Headers compile a probe's code only under its macro, so the kernels of a build
-# without probes carry none of it.
-PROBES = {"timeline": "FLASHKILN_PROBE_TIMELINE"}
 
 
 def render_unit(descriptors: list[VariantDescriptor], probes: tuple[str, ...] = ()) -> str:
