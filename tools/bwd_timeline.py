@@ -26,12 +26,13 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import flashkiln
 from flashkiln import backward
-from flashkiln.registry import default_registry
+from flashkiln.registry import KernelRegistry, default_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from bench import time_ms, window_of  # noqa: E402  (bench/ is a folder of scripts, not a package)
@@ -43,7 +44,9 @@ SLOTS = 11  # hopper/timeline.hpp's kTimelineSlots
  DS_STORE) = range(SLOTS)
 
 
-def _timeline(library, ctas: int, zero: bool) -> list[list[int]]:
+def _timeline(library: Any, ctas: int, zero: bool) -> list[list[int]]:
+    """The first `ctas` rows of the probe's array in `library` (a loaded CUlibrary), or with `zero`
+    the whole array zeroed."""
     from cuda.bindings import driver as cu
 
     err, address, nbytes = cu.cuLibraryGetGlobal(library, SYMBOL)
@@ -64,6 +67,7 @@ def _median(xs: list[float]) -> float:
 
 
 def summarize(rows: list[list[int]]) -> dict:
+    """Medians over the CTAs of each phase in µs, and the kernel's totals (the module docstring)."""
     rows = [r for r in rows if r[END_TIME] and r[TILES]]  # CTAs that swept (a causal grid has empty ones)
     # SM clock cycles per ns, from each CTA's span on both clocks.
     ghz = _median([(r[EPILOGUE_CLOCK] - r[START_CLOCK]) / (r[END_TIME] - r[START_TIME])
@@ -100,7 +104,7 @@ COLUMNS = ("ctas", "sms", "tiles", "kv_us", "fill_us", "tile_us", "stage_wait_us
            "epilogue_us", "gap_us", "gap_mean_us", "fixed_tiles", "span_us", "sweep_share", "ms")
 
 
-def probe(case: dict, registry, time_only: bool) -> dict:
+def probe(case: dict, registry: KernelRegistry, time_only: bool) -> dict:
     """One backward of `case` (d, S, causal, w, bias): its time, and unless `time_only` its timeline's
     summary and rows."""
     d, s = case["d"], case["S"]
