@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import statistics
 import sys
@@ -148,27 +149,23 @@ def main() -> None:
                         help="only the calls' times, as `ms`, one JSON line per case (for a build without the probe)")
     args = parser.parse_args()
     registry = default_registry()
-    if not args.time_only and PROBE not in registry.manifest.build.get("probes", []):
-        raise SystemExit(f"{registry.manifest.directory} was built without the {PROBE} probe: "
-                         f"generate it with --probe {PROBE} (or pass --time-only)")
     if not args.time_only:
+        if PROBE not in registry.manifest.build.get("probes", []):
+            raise SystemExit(f"{registry.manifest.directory} was built without the {PROBE} probe: "
+                             f"generate it with --probe {PROBE} (or pass --time-only)")
         print("| d | S | causal | w | bias | " + " | ".join(COLUMNS) + " |")
         print("|" + "---|" * (5 + len(COLUMNS)))
-    for d in args.dims:
-        for s in args.seqlens:
-            for causal in (False, True):
-                for w in args.windows:
-                    for bias in args.bias:
-                        case = {"d": d, "S": s, "causal": causal, "w": w, "bias": None if bias == "none" else bias}
-                        result = probe(case, registry, args.time_only)
-                        if args.time_only:
-                            print(json.dumps(result), flush=True)
-                            continue
-                        print(f"| {d} | {s} | {causal} | {w} | {bias} | "
-                              + " | ".join(str(result[c]) for c in COLUMNS) + " |", flush=True)
-                        if args.out:
-                            with args.out.open("a") as f:
-                                f.write(json.dumps(result) + "\n")
+    for d, s, causal, w, bias in itertools.product(args.dims, args.seqlens, (False, True), args.windows, args.bias):
+        case = {"d": d, "S": s, "causal": causal, "w": w, "bias": None if bias == "none" else bias}
+        result = probe(case, registry, args.time_only)
+        if args.time_only:
+            print(json.dumps(result), flush=True)
+            continue
+        print(f"| {d} | {s} | {causal} | {w} | {bias} | " + " | ".join(str(result[c]) for c in COLUMNS) + " |",
+              flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,12 +21,16 @@ _LOCAL = ("LDL", "STL")
 
 
 def kernel_loops(build: Path, kernel: str, opcode: str, count: int) -> dict[str, list[Loop]]:
-    """Per kernel symbol matching `kernel`, its `count` smallest loops that hold `opcode`."""
-    cubins = sorted({entry.cubin for entry in Manifest.load(build).kernels if re.search(kernel, entry.symbol)})
+    """Per kernel symbol matching `kernel`, its `count` smallest loops that hold `opcode`, read from the
+    cubin its manifest entry names (a build laid over another may hold older copies of a symbol)."""
+    by_cubin: dict[str, set[str]] = {}
+    for entry in Manifest.load(build).kernels:
+        if re.search(kernel, entry.symbol):
+            by_cubin.setdefault(entry.cubin, set()).add(entry.symbol)
     loops: dict[str, list[Loop]] = {}
-    for cubin in cubins:
+    for cubin, symbols in sorted(by_cubin.items()):
         for symbol, sass in functions(disassemble(build / cubin)).items():
-            if re.search(kernel, symbol):
+            if symbol in symbols:
                 loops[symbol] = [loop for loop in natural_loops(sass) if loop.opcodes[opcode]][:count]
     return loops
 
