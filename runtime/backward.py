@@ -184,7 +184,7 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     # A bad $FLASHKILN_BACKWARD_ROUTE fails on every call.
-    dq_routes.forced_route(dq_routes.is_deterministic(deterministic, bias is not None))
+    dq_routes.forced_route(deterministic)
     registry = registry or default_registry()
     target = Target.of(q)
     d_qk, d_v = q.shape[3], v.shape[3]
@@ -259,7 +259,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     than k and v hold (a block of ring attention, flashkiln.ring), so the kernels take each row's
     delta from rowsum(dout * out) alone (where a call holds all of a row's keys, they otherwise
     recompute it from the unrounded P and dP, which is exact only then).
-    With a bias, the backward runs a deterministic route, and dbias is deterministic too.
+    dbias is always deterministic. With a bias the portable family runs a deterministic route
+    whatever `deterministic` says (its only biased kernels), and so does the hopper family above
+    head dim 128 (hopper_family.UNORDERED_BIAS_MAX_D); at 64 to 128 it follows `deterministic`.
     deterministic: bitwise-reproducible dq, and with GQA dk and dv (which the hopper family
     otherwise adds into fp32 sums per KV head in any order; without GQA they always are); default
     torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes): in

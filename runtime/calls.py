@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import descriptor, dq_routes, inputs
+from . import descriptor, inputs
 from .bias import KernelBias
 from .varlen import BatchShape, PackedBatch
 
@@ -98,14 +98,9 @@ class BackwardCall:
     def shape(self) -> BatchShape:
         return BatchShape.of(self.q, self.k, self.packed)
 
-    @property
-    def ordered(self) -> bool:
-        """The call takes a deterministic dQ route (dq_routes.is_deterministic)."""
-        return dq_routes.is_deterministic(self.deterministic, self.bias is not None)
-
     def request(self, family: str) -> dict:
         """The functional fields (all but arch) of the main backward kernel this call needs of `family`."""
-        return self.kernel_request("bwd", family, causal=self.causal, deterministic=self.ordered,
+        return self.kernel_request("bwd", family, causal=self.causal, deterministic=self.deterministic,
                                    bias="none" if self.bias is None else "additive")
 
     def kernel_request(self, kernel: str, family: str, **fields) -> dict:

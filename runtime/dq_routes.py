@@ -54,12 +54,6 @@ def workspace_budget_bytes() -> int:
     return mib << 20
 
 
-def is_deterministic(deterministic: bool, biased: bool) -> bool:
-    """Whether a backward takes a deterministic route: when asked to, and always with a bias
-    (attention_backward's contract: a biased backward, and its dBias, are deterministic)."""
-    return deterministic or biased
-
-
 def preferred_route(d_qk: int, deterministic: bool) -> str:
     """The faster route, as measured on an H200 (docs/perf.md, 2026-11-30, v3).
 

@@ -44,7 +44,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            {"forward": hopper_family.plan_forward, "backward": hopper_family.plan_backward},
            {"backward": hopper_family.backward_request}),
     Family(portable_family.NAME, portable_family.runs_on,
-           {"forward": portable_family.plan_forward, "backward": portable_family.plan_backward}),
+           {"forward": portable_family.plan_forward, "backward": portable_family.plan_backward},
+           {"backward": portable_family.backward_request}),
 )}
 BACKENDS = tuple(FAMILIES)
 

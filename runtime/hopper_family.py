@@ -105,6 +105,17 @@ def backward_request(call: BackwardCall) -> dict:
                                bias_grad=call.bias_grad and not call.bias.key_constant)
 
 
+# The largest d_qk at which a biased call that is not deterministic takes the atomic dQ route: where
+# it was measured faster than the ordered one (docs/perf.md, v45: d_qk 64 and 128). Above it such a
+# call stays ordered until an A/B measures it.
+UNORDERED_BIAS_MAX_D = 128
+
+
+def ordered(call: BackwardCall) -> bool:
+    """Whether the call takes the ordered dQ route: when deterministic, or biased above UNORDERED_BIAS_MAX_D."""
+    return call.deterministic or (call.bias is not None and call.q.shape[3] > UNORDERED_BIAS_MAX_D)
+
+
 def staggered_sweep(call: BackwardCall, key_tiles: int, target: Target) -> bool:
     """Whether a deterministic call's key tiles may each start their sweep of the query tiles at
     their own index (hopper/bwd_kernel.hpp, QuerySweep; the kernel takes it where every key tile
@@ -113,7 +124,7 @@ def staggered_sweep(call: BackwardCall, key_tiles: int, target: Target) -> bool:
     multiprocessor, and half of them are the bound, which leaves room for other streams' kernels
     (the gain is at short sequences, docs/perf.md v30). A bias keeps the plain order: its dBias
     turns pass in it."""
-    return (call.ordered and call.bias is None and call.causal == "none" and call.window is None
+    return (ordered(call) and call.bias is None and call.causal == "none" and call.window is None
             and 2 * key_tiles <= target.multiprocessors)
 
 
@@ -121,8 +132,9 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
     lacks (a forced dQ route other than the call's atomic or ordered one) and where TMA cannot
-    address the tensors. A deterministic call, and a biased one, takes the ordered route: the same
-    kernel, given dq_semaphore. dBias of a key-constant bias has a closed form (flashkiln.bias) from
+    address the tensors. A deterministic call (and a biased one above UNORDERED_BIAS_MAX_D) takes the
+    ordered route: the same kernel, given dq_semaphore; any other, the atomic one (dBias is
+    deterministic either way). dBias of a key-constant bias has a closed form (flashkiln.bias) from
     delta and dsink_parts; of any other bias it comes from dS, which the kernel stores or reduces.
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
@@ -134,7 +146,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     portable workspace route keeps it), dbias_columns and dbias_sum with dbias_semaphore (the
     kernel's reductions, flashkiln.bias and hopper/bwd_params.hpp)."""
     bias = call.bias
-    deterministic = call.ordered
+    deterministic = ordered(call)
     route = dq_routes.fallback_route(deterministic)
     forced = dq_routes.forced_route(deterministic)
     if forced not in (None, route):

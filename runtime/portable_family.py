@@ -47,6 +47,17 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
     return [KernelLaunch.planned(entry, grid, params, call.tensors())]
 
 
+def ordered(call: BackwardCall) -> bool:
+    """Whether the call takes a deterministic route here: when asked to, and always with a bias,
+    whose only backward kernels are the deterministic variants (specs/portable.yaml)."""
+    return call.deterministic or call.bias is not None
+
+
+def backward_request(call: BackwardCall) -> dict:
+    """The functional fields of the call's main backward kernel (ordered's variant)."""
+    return {**call.request(NAME), "deterministic": ordered(call)}
+
+
 def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Choose the route and kernels, take their scratch and pack the parameters. With a bias the main
@@ -64,14 +75,14 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     shape = call.shape
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     has_bias = call.bias is not None
-    deterministic = call.ordered
+    deterministic = ordered(call)
     ds_needed = call.bias_grad and not call.bias.key_constant
     workspace_kernels = _workspace_kernels(call, shape, deterministic, ds_needed, target, registry)
     if workspace_kernels is not None:
         route, (main, dq_kernel) = "workspace", workspace_kernels
     else:
         route, dq_kernel = dq_routes.fallback_route(deterministic), None
-        main = registry.find(call.request(NAME), *target.limits)
+        main = registry.find(backward_request(call), *target.limits)
     pre = registry.find(call.kernel_request("bwd_pre", NAME), *target.limits)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
     sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows

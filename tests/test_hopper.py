@@ -390,13 +390,13 @@ def test_the_backward_dispatches_through_the_same_table(planned):
 
 
 def _backward_call(causal: str = "none", deterministic: bool = False, bias_shape: tuple | None = None,
-                   hkv: int = 2, **extra):
-    """A (1, 2, 64, 128) bf16 CPU call (k and v with `hkv` heads) for the planners (they refuse or
+                   hkv: int = 2, d: int = 128, **extra):
+    """A (1, 2, 64, d) bf16 CPU call (k and v with `hkv` heads) for the planners (they refuse or
     look up before any launch)."""
     from flashkiln.calls import BackwardCall
 
-    q, out, dout = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(3))
-    k, v = (torch.zeros(1, hkv, 64, 128, dtype=torch.bfloat16) for _ in range(2))
+    q, out, dout = (torch.zeros(1, 2, 64, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.zeros(1, hkv, 64, d, dtype=torch.bfloat16) for _ in range(2))
     if bias_shape is not None:
         extra["bias"] = prepare_bias(torch.zeros(bias_shape, dtype=torch.bfloat16), (1, 2, 64, 64), q)
     return BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, causal, 0.1, deterministic, **extra)
@@ -406,13 +406,18 @@ def _plan_hopper_backward(call, registry=None):
     return hopper_family.plan_backward(call, fake_target((9, 0)), registry, ScratchSet(call.q.device))
 
 
-def test_a_biased_hopper_backward_asks_for_the_bias_variant_and_orders_dq(monkeypatch):
+@pytest.mark.parametrize("deterministic, d, route", [(False, 128, "atomic"), (True, 128, "ordered"),
+                                                     (False, 256, "ordered")])  # above UNORDERED_BIAS_MAX_D
+def test_a_biased_hopper_backward_orders_dq_when_deterministic(monkeypatch, deterministic, d, route):
     from flashkiln.dq_routes import ROUTE_ENV
 
-    call = _backward_call(bias_shape=(1, 1, 64, 1), bias_grad=True)  # key-constant: dBias in closed form
-    assert call.ordered and families.FAMILIES["hopper"].request("backward", call)["bias"] == "additive"
-    monkeypatch.setenv(ROUTE_ENV, "workspace")  # a biased backward is deterministic on either family
-    with pytest.raises(UnsupportedError, match="takes the ordered route"):
+    # Key-constant: dBias in closed form.
+    call = _backward_call(deterministic=deterministic, bias_shape=(1, 1, 64, 1), bias_grad=True, d=d)
+    assert families.FAMILIES["hopper"].request("backward", call)["bias"] == "additive"
+    # The portable family's only biased kernels are its deterministic ones.
+    assert families.FAMILIES["portable"].request("backward", call)["deterministic"] is True
+    monkeypatch.setenv(ROUTE_ENV, "workspace")
+    with pytest.raises(UnsupportedError, match=f"takes the {route} route"):
         _plan_hopper_backward(call)
 
 

@@ -300,7 +300,8 @@ def test_bias_sinks_gqa_and_causal_combine(causal, bias_shape, backend):
 def test_hopper_backward_with_a_bias_on_packed_batches(causal, bias_shape, dims):
     """The hopper backward reads a packed batch's bias per sequence (its rows and keys from the
     sequence's corner, its batch coordinate the sequence's index): forced, with GQA and sinks,
-    against every sequence alone; dBias where it is key-constant (closed form), bitwise over runs."""
+    against every sequence alone, deterministic (bitwise over runs) and not; dBias where it is
+    key-constant (closed form)."""
     _skip_unless_runs("hopper")
     seed = seed_of("varlen-hopper-bias", causal, bias_shape, dims)
     case = _packed_case(seed, "mixed", hq=6, hkv=2, dims=dims)
@@ -315,11 +316,14 @@ def test_hopper_backward_with_a_bias_on_packed_batches(causal, bias_shape, dims)
                    dims=dims)
     out, lse = _forward(case, causal, bias, sink)
     bias_grad = bias_shape == "key-constant"
+    call = partial(flashkiln.attention_backward, case.dout, case.q, case.k, case.v, out, lse, causal=causal,
+                   bias=bias, bias_grad=bias_grad, sink=sink, sink_grad=True, packed=case.packed(), backend="hopper")
     with backward_plans() as plans:
-        runs = [flashkiln.attention_backward(case.dout, case.q, case.k, case.v, out, lse, causal=causal, bias=bias,
-                                             bias_grad=bias_grad, sink=sink, sink_grad=True, packed=case.packed(),
-                                             backend="hopper") for _ in range(3)]
+        runs = [call(deterministic=True) for _ in range(3)]
     assert {(p.family, p.route) for p in plans} == {("hopper", "ordered")}, f"planned {plans}\n{repro}"
+    with backward_plans() as plans:
+        unordered = call(deterministic=False)
+    assert {(p.family, p.route) for p in plans} == {("hopper", "atomic")}, f"planned {plans}\n{repro}"
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run)), f"gradients differ between runs\n{repro}"
     assert case.canaries_intact(), f"canary overwritten\n{repro}"
@@ -328,6 +332,7 @@ def test_hopper_backward_with_a_bias_on_packed_batches(causal, bias_shape, dims)
     if not bias_grad:
         ref32, reflp = (dataclasses.replace(r, dbias=None) for r in (ref32, reflp))
     check_grads_against(runs[0], ref32, reflp, repro)
+    check_grads_against(unordered, ref32, reflp, repro)
 
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=["d64", "d128"])

@@ -48,10 +48,10 @@ PACKED_CASES = [
 
 
 def backward_on_every_route(out, q, k, v, lse, bias, **kwargs) -> list[torch.Tensor]:
-    """A biased backward runs the deterministic routes only (and dBias the workspace one); with the
-    LSE's gradient, and dSink where there is a sink. The hopper family runs it too, deterministic
-    and not, with dBias where there is a bias, where it has the call (it names what it lacks
-    otherwise); the routes then run on the portable family."""
+    """The backward with the LSE's gradient, and dSink where there is a sink: on the hopper family
+    deterministic and not (its ordered and atomic routes), with dBias where there is a bias, where
+    it has the call (it names what it lacks otherwise); then each route of the portable family,
+    where a biased backward runs the deterministic ones only (and dBias the workspace one)."""
     grads = []
     sink_grad = kwargs.get("sink") is not None
     for deterministic in (False, True):
