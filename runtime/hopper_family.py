@@ -112,7 +112,8 @@ UNORDERED_BIAS_MAX_D = 128
 
 
 def ordered(call: BackwardCall) -> bool:
-    """Whether the call takes the ordered dQ route: when deterministic, or biased above UNORDERED_BIAS_MAX_D."""
+    """Whether the call takes the ordered dQ route: when deterministic, or when biased above
+    UNORDERED_BIAS_MAX_D."""
     return call.deterministic or (call.bias is not None and call.q.shape[3] > UNORDERED_BIAS_MAX_D)
 
 
