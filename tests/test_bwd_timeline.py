@@ -38,7 +38,7 @@ def test_probe_builds_have_their_own_cache_keys() -> None:
 
 def _rows(ghz: float = 2.0) -> list[list[int]]:
     """Two SMs with three CTAs each: K and V 1 µs, the fill 0.5, 10 tiles of 2 µs (0.2 µs of stage
-    waits each), the epilogue 1, 0.5 µs between a CTA's end and the next one's entry; a CTA that
+    waits and 0.1 of dQ waits each), the epilogue 1, 0.5 µs between a CTA's end and the next one's entry; a CTA that
     swept nothing and one that never ran."""
     rows = []
     for sm in range(2):
@@ -49,9 +49,9 @@ def _rows(ghz: float = 2.0) -> list[list[int]]:
             sweep_end = first + int(20000 * ghz)
             end = sweep_end + int(1000 * ghz)
             ns = int((end - start) / ghz)
-            rows.append([sm, now, start, kv, first, sweep_end, end, now + ns, 10, int(2000 * ghz), 0])
+            rows.append([sm, now, start, kv, first, sweep_end, end, now + ns, 10, int(2000 * ghz), 0, int(1000 * ghz)])
             now += ns + 500
-    rows.append([0, now, 0, 0, 0, 0, 0, now + 10, 0, 0, 0])
+    rows.append([0, now, 0, 0, 0, 0, 0, now + 10, 0, 0, 0, 0])
     rows.append([0] * bwd_timeline.SLOTS)
     return rows
 
@@ -60,7 +60,7 @@ def test_summary_of_made_up_rows() -> None:
     summary = bwd_timeline.summarize(_rows())
     assert summary["ctas"] == 6 and summary["sms"] == 2 and summary["sm_ghz"] == 2.0
     assert (summary["kv_us"], summary["fill_us"], summary["tile_us"], summary["epilogue_us"]) == (1.0, 0.5, 2.0, 1.0)
-    assert summary["stage_wait_us"] == 0.2 and summary["ds_store_us"] == 0.0
+    assert summary["stage_wait_us"] == 0.2 and summary["dq_wait_us"] == 0.1 and summary["ds_store_us"] == 0.0
     assert summary["gap_us"] == summary["gap_mean_us"] == 0.5
     assert summary["fixed_tiles"] == 1.5  # (1 + 0.5 + 1 + 0.5) / 2
     assert summary["span_us"] == 3 * 22.5 + 2 * 0.5

@@ -5,10 +5,10 @@ hopper/timeline.hpp's marks into its hopper backwards: for every CTA of the main
 the global timer at entry and when its consumers have issued dK and dV, and the SM clock at entry,
 once K and V have landed, once the first query tile's Q and dO have landed, at the sweep's end and
 at that last point; and, summed over the sweep, the consumers' clocks waiting for their stage and
-the producer's storing a full bias's dS tiles. This tool runs one backward per case on the standard
+for their dQ staging buffer, and the producer's storing a full bias's dS tiles. This tool runs one backward per case on the standard
 sweep's shapes (B * S = 16k tokens, H = 2048 / d; the A/B cases' shapes), reads the array back and
 prints, per case, medians over the CTAs in µs: the wait for K and V, the fill up to the first
-stage, the time per swept query tile, those two sums per tile, the epilogue, and the gap on an SM
+stage, the time per swept query tile, those three sums per tile, the epilogue, and the gap on an SM
 between one CTA's epilogue and the next one's entry (the CTA's drain, its exit and the next one's
 launch and set-up); the fixed cost per CTA (all but the sweep) in tiles' time; the sweeps' share
 of the kernel's SM time; and the call's median time (L2 flushed), to set beside a build without
@@ -40,9 +40,10 @@ from bench import time_ms, window_of  # noqa: E402  (bench/ is a folder of scrip
 
 SYMBOL = b"flashkiln_bwd_timeline"
 PROBE = "timeline"  # generate --probe's name (flashkiln.generator.render.PROBES)
-SLOTS = 11  # hopper/timeline.hpp's kTimelineSlots
+SLOTS = 12  # hopper/timeline.hpp's kTimelineSlots
+CTAS = 1 << 16  # and its kTimelineCtas
 (SMID, START_TIME, START_CLOCK, KV_CLOCK, FIRST_CLOCK, SWEEP_END_CLOCK, EPILOGUE_CLOCK, END_TIME, TILES, STAGE_WAIT,
- DS_STORE) = range(SLOTS)
+ DS_STORE, DQ_WAIT) = range(SLOTS)
 
 
 def _timeline(library: Any, ctas: int, zero: bool) -> list[list[int]]:
@@ -53,6 +54,9 @@ def _timeline(library: Any, ctas: int, zero: bool) -> list[list[int]]:
     err, address, nbytes = cu.cuLibraryGetGlobal(library, SYMBOL)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise SystemExit(f"the main kernel's module has no {SYMBOL.decode()} ({err}): not built with --probe {PROBE}")
+    if nbytes != CTAS * SLOTS * 8:
+        raise SystemExit(f"{SYMBOL.decode()} holds {nbytes} bytes, not {CTAS} CTAs of {SLOTS} slots: a probe build "
+                         "of another hopper/timeline.hpp than this tool's")
     if zero:
         (err,) = cu.cuMemsetD8(address, 0, nbytes)
         assert err == cu.CUresult.CUDA_SUCCESS, err
@@ -78,8 +82,9 @@ def summarize(rows: list[list[int]]) -> dict:
     fill = [us(r[FIRST_CLOCK] - r[KV_CLOCK]) for r in rows]
     per_tile = [us(r[SWEEP_END_CLOCK] - r[FIRST_CLOCK]) / r[TILES] for r in rows]
     epilogue = [us(r[EPILOGUE_CLOCK] - r[SWEEP_END_CLOCK]) for r in rows]
-    # Per swept tile: the consumer's wait for its stage, the producer's stores of dS.
-    stage_wait, ds_store = ([us(r[slot]) / r[TILES] for r in rows] for slot in (STAGE_WAIT, DS_STORE))
+    # Per swept tile: the consumer's waits for its stage and for its dQ staging buffer, the producer's
+    # stores of dS.
+    stage_wait, ds_store, dq_wait = ([us(r[slot]) / r[TILES] for r in rows] for slot in (STAGE_WAIT, DS_STORE, DQ_WAIT))
     by_sm: dict[int, list[list[int]]] = {}
     for r in rows:
         by_sm.setdefault(r[SMID], []).append(r)
@@ -94,14 +99,14 @@ def summarize(rows: list[list[int]]) -> dict:
     return {"ctas": len(rows), "sms": len(by_sm), "sm_ghz": round(ghz, 3), "tiles": _median([r[TILES] for r in rows]),
             "kv_us": round(_median(kv), 3), "fill_us": round(_median(fill), 3), "tile_us": round(tile, 3),
             "epilogue_us": round(_median(epilogue), 3), "stage_wait_us": round(_median(stage_wait), 3),
-            "ds_store_us": round(_median(ds_store), 3),
+            "ds_store_us": round(_median(ds_store), 3), "dq_wait_us": round(_median(dq_wait), 3),
             "gap_us": round(_median(gaps), 3),
             "gap_mean_us": round(statistics.fmean(gaps), 3) if gaps else float("nan"),
             "fixed_tiles": round(fixed / tile, 2), "span_us": round(span, 1),
             "sweep_share": round(sweeps / (len(by_sm) * span), 3)}
 
 
-COLUMNS = ("ctas", "sms", "tiles", "kv_us", "fill_us", "tile_us", "stage_wait_us", "ds_store_us",
+COLUMNS = ("ctas", "sms", "tiles", "kv_us", "fill_us", "tile_us", "stage_wait_us", "dq_wait_us", "ds_store_us",
            "epilogue_us", "gap_us", "gap_mean_us", "fixed_tiles", "span_us", "sweep_share", "ms")
 
 
@@ -126,7 +131,7 @@ def probe(case: dict, registry: KernelRegistry, time_only: bool) -> dict:
         return {**case, "ms": ms}
     main = next(reversed(backward.PLANS._plans.values())).launches[1]  # this call's plan's main kernel
     library = registry._libraries[main.entry.cubin]
-    ctas = main.grid[0] * main.grid[1] * main.grid[2]
+    ctas = min(main.grid[0] * main.grid[1] * main.grid[2], CTAS)  # the CTAs past the array record nothing
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     _timeline(library, ctas, zero=True)

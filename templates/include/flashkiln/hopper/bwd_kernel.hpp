@@ -439,7 +439,11 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
   // has read it, then handed to the writer (write_dq).
   uint32_t dq_phase = 0;
   auto stage_dq = [&]() {
+    const TimelineSpan dq_wait = timeline_span();
     Barrier::wait(&ss.dq_empty[warpgroup], dq_phase ^ 1);
+    if (thread == 0) {
+      timeline_add_span(kDqWaitClocks, dq_wait);
+    }
     CUTE_UNROLL
     for (int v = 0; v < size(acc_dq); v += 2) {
       reinterpret_cast<float2*>(dq_stage)[(v / 2) * 128 + thread % 128] = make_float2(acc_dq(v), acc_dq(v + 1));

@@ -19,6 +19,7 @@ enum TimelineSlot : int {
   kSweepTiles,        // query tiles swept
   kStageWaitClocks,   // the consumer's clocks waiting for its stages' Q and dO (summed over the sweep)
   kDsStoreClocks,     // the producer's clocks storing a full bias's dS tiles (issue to their reads; summed)
+  kDqWaitClocks,      // the consumer's clocks waiting for its dQ staging buffer (its writer's last add; summed)
   kTimelineSlots
 };
 inline constexpr int kTimelineCtas = 1 << 16;
