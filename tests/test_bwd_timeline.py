@@ -38,8 +38,8 @@ def test_probe_builds_have_their_own_cache_keys() -> None:
 
 def _rows(ghz: float = 2.0) -> list[list[int]]:
     """Two SMs with three CTAs each: K and V 1 µs, the fill 0.5, 10 tiles of 2 µs (0.2 µs of stage
-    waits and 0.1 of dQ waits each), the epilogue 1, 0.5 µs between a CTA's end and the next one's entry; a CTA that
-    swept nothing and one that never ran."""
+    waits and 0.1 of dQ waits each), the epilogue 1, 0.5 µs between a CTA's end and the next one's
+    entry; a CTA that swept nothing and one that never ran."""
     rows = []
     for sm in range(2):
         now = 1000

@@ -258,9 +258,8 @@ def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal, d):
     dS's size to the peak memory of the unbiased deterministic backward (the same GQA accumulators;
     its gradients and fp32 accumulators alone outweigh a dS at d 192 and 256); 20 deterministic
     runs are bitwise equal, and a call that is not deterministic gives the same dBias; both match
-    the references. At
-    d 256 both consumer warpgroups hold every key (split columns), and a row-broadcast bias's key
-    sums join before one thread adds them."""
+    the references. At d 256 both consumer warpgroups hold every key (split columns), and a
+    row-broadcast bias's key sums join before one thread adds them."""
     b, hq, hkv, sq, sk = 8, 8, 2, 1024, 1000
     seed = seed_of("hopper-dbias-reduced", shape, causal, d)
     q, k, v, dout = _tensors(seed, b, hq, hkv, sq, sk, d, torch.bfloat16)
