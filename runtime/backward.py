@@ -260,8 +260,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     delta from rowsum(dout * out) alone (where a call holds all of a row's keys, they otherwise
     recompute it from the unrounded P and dP, which is exact only then).
     dbias is always deterministic. With a bias the portable family runs a deterministic route
-    whatever `deterministic` says (its only biased kernels), and so does the hopper family above
-    head dim 128 (hopper_family.UNORDERED_BIAS_MAX_D); at 64 to 128 it follows `deterministic`.
+    whatever `deterministic` says (its only biased kernels), and so does the hopper family for a
+    call without a causal mask above head dim 128 that stores a full bias's dS as dbias (where that
+    route measured faster, hopper_family.ordered); otherwise it follows `deterministic`.
     deterministic: bitwise-reproducible dq, and with GQA dk and dv (which the hopper family
     otherwise adds into fp32 sums per KV head in any order; without GQA they always are); default
     torch.are_deterministic_algorithms_enabled(). How dq is accumulated (flashkiln.dq_routes): in

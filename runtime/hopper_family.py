@@ -105,16 +105,21 @@ def backward_request(call: BackwardCall) -> dict:
                                bias_grad=call.bias_grad and not call.bias.key_constant)
 
 
-# The largest d_qk at which a biased call that is not deterministic takes the atomic dQ route: where
-# it was measured faster than the ordered one (docs/perf.md, v45: d_qk 64 and 128). Above it such a
-# call stays ordered until an A/B measures it.
-UNORDERED_BIAS_MAX_D = 128
+# Above this d_qk a call that stores a full bias's dS as its dBias without a causal mask keeps the
+# ordered dQ route, measured 8-20% faster there at d 256; every other call that is not
+# deterministic adds dQ with atomics, measured 1-29% faster with a bias at d 64-256 (docs/perf.md,
+# v45, v46; d 192/128 shares d 256's tiles and follows it unmeasured).
+ORDERED_STORED_DBIAS_ABOVE_D = 128
 
 
 def ordered(call: BackwardCall) -> bool:
-    """Whether the call takes the ordered dQ route: when deterministic, or when biased above
-    UNORDERED_BIAS_MAX_D."""
-    return call.deterministic or (call.bias is not None and call.q.shape[3] > UNORDERED_BIAS_MAX_D)
+    """Whether the call takes the ordered dQ route: when deterministic, or when above
+    ORDERED_STORED_DBIAS_ABOVE_D it stores a full bias's dS as dBias without a causal mask."""
+    if call.deterministic:
+        return True
+    bias = call.bias
+    return (call.q.shape[3] > ORDERED_STORED_DBIAS_ABOVE_D and call.causal == "none" and call.bias_grad
+            and not bias.key_constant and bias_mod.reduction(bias, call.packed is not None) == bias_mod.STORE)
 
 
 def staggered_sweep(call: BackwardCall, key_tiles: int, target: Target) -> bool:
@@ -133,7 +138,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
     lacks (a forced dQ route other than the call's atomic or ordered one) and where TMA cannot
-    address the tensors. A deterministic call (and a biased one above UNORDERED_BIAS_MAX_D) takes the
+    address the tensors. A deterministic call (and `ordered`'s exception) takes the
     ordered route: the same kernel, given dq_semaphore; any other, the atomic one (dBias is
     deterministic either way). dBias of a key-constant bias has a closed form (flashkiln.bias) from
     delta and dsink_parts; of any other bias it comes from dS, which the kernel stores or reduces.

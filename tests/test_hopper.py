@@ -407,7 +407,7 @@ def _plan_hopper_backward(call, registry=None):
 
 
 @pytest.mark.parametrize("deterministic, d, route", [(False, 128, "atomic"), (True, 128, "ordered"),
-                                                     (False, 256, "ordered")])  # above UNORDERED_BIAS_MAX_D
+                                                     (False, 256, "atomic"), (True, 256, "ordered")])
 def test_a_biased_hopper_backward_orders_dq_when_deterministic(monkeypatch, deterministic, d, route):
     from flashkiln.dq_routes import ROUTE_ENV
 
@@ -416,6 +416,22 @@ def test_a_biased_hopper_backward_orders_dq_when_deterministic(monkeypatch, dete
     assert families.FAMILIES["hopper"].request("backward", call)["bias"] == "additive"
     # The portable family's only biased kernels are its deterministic ones.
     assert families.FAMILIES["portable"].request("backward", call)["deterministic"] is True
+    monkeypatch.setenv(ROUTE_ENV, "workspace")
+    with pytest.raises(UnsupportedError, match=f"takes the {route} route"):
+        _plan_hopper_backward(call)
+
+
+@pytest.mark.parametrize("d, causal, bias_shape, route", [
+    (256, "none", (1, 2, 64, 64), "ordered"),  # a full bias's dS stored as dBias, above d_qk 128
+    (128, "none", (1, 2, 64, 64), "atomic"),
+    (256, "bottom_right", (1, 2, 64, 64), "atomic"),
+    (256, "none", (1, 1, 64, 64), "atomic"),  # shared by heads: reduced in the kernel, not stored
+])
+def test_stored_dbias_above_d_128_orders_dq_without_a_causal_mask(monkeypatch, d, causal, bias_shape, route):
+    from flashkiln.dq_routes import ROUTE_ENV
+
+    call = _backward_call(causal, bias_shape=bias_shape, bias_grad=True, d=d)
+    assert hopper_family.ordered(call) is (route == "ordered")
     monkeypatch.setenv(ROUTE_ENV, "workspace")
     with pytest.raises(UnsupportedError, match=f"takes the {route} route"):
         _plan_hopper_backward(call)
