@@ -138,10 +138,10 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
                   scratch: ScratchSet) -> BackwardLaunches:
     """Preprocess, main kernel and postprocess of the Hopper backward; UnsupportedError for what it
     lacks (a forced dQ route other than the call's atomic or ordered one) and where TMA cannot
-    address the tensors. A deterministic call (and `ordered`'s exception) takes the
-    ordered route: the same kernel, given dq_semaphore; any other, the atomic one (dBias is
-    deterministic either way). dBias of a key-constant bias has a closed form (flashkiln.bias) from
-    delta and dsink_parts; of any other bias it comes from dS, which the kernel stores or reduces.
+    address the tensors. A deterministic call (and `ordered`'s exception) takes the ordered route:
+    the same kernel, given dq_semaphore; any other, the atomic one. dBias of a key-constant bias has
+    a closed form (flashkiln.bias) from delta and dsink_parts; of any other bias it comes from dS,
+    which the kernel stores or reduces (a shared bias's members take turns only when deterministic).
 
     Scratch roles: delta (fp32 rowsum(dO * O) - dLSE, as lse), dq_accum (fp32 dQ in the main
     kernel's tile order, hopper/bwd_dq_tiles.hpp; zeroed by the preprocess), dk_accum and dv_accum
@@ -149,8 +149,9 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     of p_sink * P * dP, written by every CTA), dq_semaphore (deterministic: int32 (B,
     H_q, query tiles, consumer warpgroups), zeroed, counting the key tiles that added to each part of
     a query tile's dQ), and for dBias of a key-varying bias one of ds_workspace (dS, as the
-    portable workspace route keeps it), dbias_columns and dbias_sum with dbias_semaphore (the
-    kernel's reductions, flashkiln.bias and hopper/bwd_params.hpp)."""
+    portable workspace route keeps it), dbias_columns and dbias_sum (the kernel's reductions,
+    flashkiln.bias and hopper/bwd_params.hpp; a deterministic call's members take turns on the sum,
+    counted in dbias_semaphore)."""
     bias = call.bias
     deterministic = ordered(call)
     route = dq_routes.fallback_route(deterministic)
@@ -188,8 +189,9 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     elif reduction == bias_mod.SUM:
         sum_shape = bias_mod.sum_shape(bias)
         scratch.take(reduction, sum_shape, f32, zeroed=True)
-        scratch.take("dbias_semaphore", (sum_shape[0] * sum_shape[1], ceil_div(sq, tile_m), key_tiles),
-                     torch.int32, zeroed=True)
+        if call.deterministic:  # the members' adds in turn; else in any order
+            scratch.take("dbias_semaphore", (sum_shape[0] * sum_shape[1], ceil_div(sq, tile_m), key_tiles),
+                         torch.int32, zeroed=True)
     scratch.take("delta", (layout_batches, hq, shape.total_q), f32)
     scratch.take("dq_accum", (layout_batches, hq, dq_accum_rows, d_qk), f32)  # zeroed by the preprocess
     if deterministic:

@@ -510,3 +510,23 @@ def test_a_gqa_backward_adds_into_sums_per_kv_head_unless_deterministic(monkeypa
     # Sums are added into, so they start at zero; per-query-head rows are written whole.
     assert main.dkv_sums == (accum_heads == hkv)
     assert [s.zeroed for s in scratch.specs if s.role in ("dk_accum", "dv_accum")] == [accum_heads == hkv] * 2
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_shared_bias_takes_dbias_turns_only_when_deterministic(monkeypatch, deterministic):
+    from types import SimpleNamespace
+
+    class Registry:
+        def find(self, request, capability, smem_limit=None):
+            return SimpleNamespace(descriptor={"tile_m": 64, "tile_n": 128, "kernel": request["kernel"]})
+
+    monkeypatch.setattr(tma, "_encoded", lambda shape, dtype: (0,) * 16)  # no driver here
+    call = _backward_call(deterministic=deterministic, bias_shape=(1, 1, 64, 64), bias_grad=True)
+    scratch = ScratchSet(call.q.device)
+    main = hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), scratch).launches[1].params
+    total, turns = scratch.tensors["dbias_sum"], scratch.tensors["dbias_semaphore"]
+    assert main.dbias_sum == total.data_ptr()
+    if deterministic:
+        assert turns.shape == (1, 1, 1) and turns.dtype == torch.int32 and main.dbias_semaphore == turns.data_ptr()
+    else:
+        assert turns is None and main.dbias_semaphore == 0

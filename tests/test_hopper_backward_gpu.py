@@ -257,8 +257,9 @@ def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal, d):
     (flashkiln.bias.reduction), not from a dense (B, H, S_q, S_k) dS: dBias adds less than half that
     dS's size to the peak memory of the unbiased deterministic backward (the same GQA accumulators;
     its gradients and fp32 accumulators alone outweigh a dS at d 192 and 256); 20 deterministic
-    runs are bitwise equal, and a call that is not deterministic gives the same dBias; both match
-    the references. At d 256 both consumer warpgroups hold every key (split columns), and a
+    runs are bitwise equal; a call that is not deterministic gives the same dBias where the bias is
+    broadcast over rows (a bias shared by batch entries or heads is then added in any order); both
+    match the references. At d 256 both consumer warpgroups hold every key (split columns), and a
     row-broadcast bias's key sums join before one thread adds them."""
     b, hq, hkv, sq, sk = 8, 8, 2, 1024, 1000
     seed = seed_of("hopper-dbias-reduced", shape, causal, d)
@@ -280,7 +281,8 @@ def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal, d):
         again = call()
         assert all(torch.equal(x, y) for x, y in zip(first, again)), "runs differ"
     unordered = call(deterministic=False)
-    assert torch.equal(unordered[3], first[3]), "dBias differs without deterministic=True"
+    if shape[2] == "1":  # row-broadcast: one adder per address on either route
+        assert torch.equal(unordered[3], first[3]), "dBias differs without deterministic=True"
     refs = [attention_grad_reference(q, k, v, dout, causal, None, dtype, bias=bias) for dtype in (torch.float32,
                                                                                                  q.dtype)]
     repro = _repro("test_a_broadcast_dbias_is_reduced_in_the_kernel", shape=shape, causal=causal, d=d)

@@ -262,8 +262,9 @@ __device__ __forceinline__ void write_dq(HopperBwdParams const& p, typename T::S
 
 // A bias shared by several (batch entry, head) pairs, broadcast over batch entries or heads but
 // not rows: its dBias tile (m, n) is the sum of their dS tiles, which their CTAs add to
-// p.dbias_sum in the order of `member` (their position among the pairs that share the slice,
-// batch entries before heads). The count of (slice, m, n) says how many have added.
+// p.dbias_sum; in a deterministic call (p.dbias_semaphore) in the order of `member` (their
+// position among the pairs that share the slice, batch entries before heads), where the count of
+// (slice, m, n) says how many have added; else in any order.
 struct DbiasShare {
   int slice, member;
 };
@@ -684,7 +685,10 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         float* const plane = reinterpret_cast<float*>(p.dbias_sum) +
                              int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ld;
         cutlass::NumericArrayConverter<float, Element, 2> convert;
-        Barrier::wait(&ss.dbias_turn, i % 2);  // a turn per tile (pass_dbias_turns)
+        const bool turns = p.dbias_semaphore != 0;  // deterministic: a turn per tile (pass_dbias_turns)
+        if (turns) {
+          Barrier::wait(&ss.dbias_turn, i % 2);
+        }
         // One 16-byte reduction per four keys (ld is a multiple of 8, so all four lie inside).
         for_quads_of_transposed(ds_regs, cS, [&](int row, int key, uint32_t low, uint32_t high) {
           row += row0;
@@ -695,7 +699,9 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
             reduce_add_quad(plane + int64_t(row) * ld + key, a[0], a[1], b[0], b[1]);
           }
         });
-        Barrier::arrive(&ss.dbias_done);
+        if (turns) {
+          Barrier::arrive(&ss.dbias_done);
+        }
       }
     }
     Element* const ds = ss.ds + buffer * T::kElemsdS;
@@ -899,7 +905,7 @@ __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
       produce<T>(p, ss, s, n_block, head);
     } else if (threadIdx.x % 32 == 0 && warp <= T::kConsumerWarpgroups) {
       write_dq<T>(p, ss, s, warp - 1, n_block, head);
-    } else if (threadIdx.x == 32 * (T::kConsumerWarpgroups + 1) && T::kBiasGrad && p.dbias_sum != 0) {
+    } else if (threadIdx.x == 32 * (T::kConsumerWarpgroups + 1) && T::kBiasGrad && p.dbias_semaphore != 0) {
       pass_dbias_turns<T>(p, ss, s, n_block, head);
     }
   } else {

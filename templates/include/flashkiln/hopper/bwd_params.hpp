@@ -46,9 +46,9 @@ struct HopperBwdParams {
   // broadcast over the rows: dBias sums this over its other broadcast dims);
   uint64_t dbias_columns;
   // float (bias batch entries, bias heads, seqlen_q, seqlen_k in 8-element pieces), zeroed: dS
-  // added into the bias's own rows by the (batch, head) pairs that share them in a fixed order,
-  // counted per (bias slice, query tile, key tile) by dbias_semaphore, int, zeroed (a bias
-  // broadcast over batch entries or heads only).
+  // added into the bias's own rows by the (batch, head) pairs that share them (a bias broadcast
+  // over batch entries or heads only); in a deterministic call in a fixed order, counted per
+  // (bias slice, query tile, key tile) by dbias_semaphore, int, zeroed; else in any order (0).
   uint64_t dbias_sum;
   uint64_t dbias_semaphore;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
