@@ -61,6 +61,11 @@ class PlanCache:
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = plan
 
+    def newest(self) -> Any:
+        """The plan stored last (None when empty): what the last call that missed the cache planned."""
+        with self._lock:
+            return next(reversed(self._plans.values()), None)
+
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()

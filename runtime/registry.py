@@ -264,10 +264,15 @@ class KernelRegistry:
                 f"{entry.name} was built for parameter layout {entry.params_layout}, this runtime packs "
                 f"{expected_layout}: regenerate the kernels with this flashkiln version"
             )
+        return self.driver.get_kernel(self.library_of(entry), entry.symbol)
+
+    def library_of(self, entry: KernelEntry) -> Any:
+        """The driver's library of entry's cubin, loaded (and checked against the manifest) on first
+        use: for tools that read a module's globals beside its kernels (tools/bwd_timeline.py)."""
         library = self._libraries.get(entry.cubin)
         if library is None:
             library = self._libraries[entry.cubin] = self.driver.load_library(self._verified_image(entry))
-        return self.driver.get_kernel(library, entry.symbol)
+        return library
 
     def _verified_image(self, entry: KernelEntry) -> bytes:
         path = self.directory / entry.cubin

@@ -109,3 +109,4 @@ def test_the_cache_is_bounded_and_drops_its_oldest_plan():
     for i in range(3):
         cache.put(i, f"plan {i}")
     assert len(cache) == 2 and cache.get(0) is None and cache.get(2) == "plan 2"
+    assert cache.newest() == "plan 2" and PlanCache().newest() is None

@@ -239,6 +239,9 @@ def test_launch_loads_once_and_configures_each_device(tmp_path):
     assert len(driver.named("load_library")) == 1 and len(driver.named("get_kernel")) == 1
     assert [c[3] for c in driver.named("set_max_dynamic_smem")] == [0, 1]
     assert len(driver.named("launch")) == 3
+    # A tool's handle on the module (its globals) is the library the kernel came from.
+    assert registry.library_of(entry) == driver.named("get_kernel")[0][1]
+    assert len(driver.named("load_library")) == 1
 
 
 def test_launch_passes_grid_block_smem_stream_and_params(tmp_path):

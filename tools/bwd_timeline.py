@@ -129,8 +129,8 @@ def probe(case: dict, registry: KernelRegistry, time_only: bool) -> dict:
     ms = time_ms(call, 0, 5, flush_l2=True)  # the probe build's own time, against an A/B's
     if time_only:
         return {**case, "ms": ms}
-    main = next(reversed(backward.PLANS._plans.values())).launches[1]  # this call's plan's main kernel
-    library = registry._libraries[main.entry.cubin]
+    main = backward.PLANS.newest().launches[1]  # this call's plan's main kernel
+    library = registry.library_of(main.entry)
     ctas = min(main.grid[0] * main.grid[1] * main.grid[2], CTAS)  # the CTAs past the array record nothing
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
