@@ -258,8 +258,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     be combined with attn_mask), scale, enable_gqa. Not supported (a clear error): dropout_p > 0.
     deterministic (flashkiln's own, keyword only) picks the bitwise-reproducible backward; by
     default it follows torch.are_deterministic_algorithms_enabled() when the backward runs (with
-    an attn_mask the portable family's backward, and the hopper family's above head dim 128, is
-    always deterministic; the mask's gradient is on either family). sink (flashkiln's own, keyword
+    an attn_mask the portable family's backward is always deterministic; the hopper family's
+    follows the flag, the mask's gradient too: attention_backward says where). sink (flashkiln's own, keyword
     only): (H,) learned sink logits that join each row's softmax denominator (gpt-oss), differentiable.
     window_size (flashkiln's own, keyword only): (left, right), a sliding window as
     FlashAttention's (attention_forward; -1 unbounded, right = 0 with is_causal), None for none.
