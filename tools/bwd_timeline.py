@@ -1,18 +1,18 @@
 """Where a Hopper backward CTA's time goes, per CTA, from a build with the timeline probe.
 
 A build made with `python -m flashkiln.generator generate --probe timeline ...` compiles
-hopper/timeline.hpp's marks into its hopper backwards: for every CTA of the main kernel, its SM,
-the global timer at entry and when its consumers have issued dK and dV, and the SM clock at entry,
-once K and V have landed, once the first query tile's Q and dO have landed, at the sweep's end and
-at that last point; and, summed over the sweep, the consumers' clocks waiting for their stage and
-for their dQ staging buffer, and the producer's storing a full bias's dS tiles. This tool runs one backward per case on the standard
-sweep's shapes (B * S = 16k tokens, H = 2048 / d; the A/B cases' shapes), reads the array back and
-prints, per case, medians over the CTAs in µs: the wait for K and V, the fill up to the first
-stage, the time per swept query tile, those three sums per tile, the epilogue, and the gap on an SM
-between one CTA's epilogue and the next one's entry (the CTA's drain, its exit and the next one's
-launch and set-up); the fixed cost per CTA (all but the sweep) in tiles' time; the sweeps' share
-of the kernel's SM time; and the call's median time (L2 flushed), to set beside a build without
-the probe (--time-only) for the probe's own cost.
+hopper/timeline.hpp's marks into its hopper backwards: for every CTA of the main kernel, its SM, the
+global timer at entry and when its consumers have issued dK and dV, and the SM clock at entry, once
+K and V have landed, once the first query tile's Q and dO have landed, at the sweep's end and at
+that last point; and, summed over the sweep, the consumers' clocks waiting for their stage and for
+their dQ staging buffer, and the producer's storing a full bias's dS tiles. This tool runs one
+backward per case on the standard sweep's shapes (B * S = 16k tokens, H = 2048 / d; the A/B cases'
+shapes), reads the array back and prints, per case, medians over the CTAs in µs: the wait for K and
+V, the fill up to the first stage, the time per swept query tile, those three sums per tile, the
+epilogue, and the gap on an SM between one CTA's epilogue and the next one's entry (the CTA's drain,
+its exit and the next one's launch and set-up); the fixed cost per CTA (all but the sweep) in tiles'
+time; the sweeps' share of the kernel's SM time; and the call's median time (L2 flushed), to set
+beside a build without the probe (--time-only) for the probe's own cost.
 
 Usage: FLASHKILN_KERNEL_DIR=probe-build tools/pyenv.sh python3 tools/bwd_timeline.py
   [--dims 64 128] [--seqlens 2048 8192] [--windows -1 512] [--bias none bias dbias] [--out rows.jsonl]
