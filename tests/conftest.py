@@ -34,6 +34,20 @@ def _fresh_plan_caches():
     backward.PLANS.clear()
 
 
+@pytest.fixture
+def deterministic_algorithms():
+    """torch's deterministic mode for the test (flashkiln's backward takes it as its default), for
+    tests that compare two calls bitwise: otherwise dQ, GQA's dK and dV, and a shared bias's dBias
+    are added in any order."""
+    import torch
+
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def spy_planner(monkeypatch, family: str, direction: str = "forward") -> list:
     """Record what `family`'s `direction` planner returns from now on (plan caches emptied, so that
     every call plans)."""

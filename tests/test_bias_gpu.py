@@ -218,16 +218,6 @@ def test_sdpa_attn_mask_gradient_through_autograd(is_causal):
     assert frozen.grad is None
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    """torch's deterministic mode for the test (flashkiln's backward takes it as its default)."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-
-
 def test_bias_ops_under_torch_compile(deterministic_algorithms):
     """Compiled and eager give the same gradients, bitwise: in deterministic mode, since otherwise
     dQ and a shared bias's dBias are added in any order."""
