@@ -22,10 +22,11 @@ def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constan
     """The constants of a unit whose headers declare them: "unit" at namespace scope, "traits" once
     per variant beside its traits. Every unit includes common/sequence.hpp; the hopper forward
     also hopper/tile_scheduler.hpp and hopper/fwd_traits.hpp, its backward hopper/bwd_traits.hpp
-    (both with hopper/head_boxes.hpp) and its postprocess hopper/bwd_dq_tiles.hpp."""
+    and its dBias kernel hopper/bwd_dbias.hpp (each with hopper/head_boxes.hpp), and its
+    postprocess hopper/bwd_dq_tiles.hpp."""
     unit = [Constant("flashkiln::kDqAccumRowAlign", DQ_ACCUM_ROW_ALIGN, "flashkiln.params.DQ_ACCUM_ROW_ALIGN")]
     traits = []
-    if family == "hopper" and kernel in ("fwd", "bwd"):
+    if family == "hopper" and kernel in ("fwd", "bwd", "bwd_dbias"):
         # The head dims' box rule (hopper/head_boxes.hpp), at every multiple of 32 up to 256, whole
         # or split between the backward's warpgroups.
         unit += [Constant(f"flashkiln::hopper::head_box_cols({d}, {parts})", head_box_cols(d, parts),
@@ -43,10 +44,10 @@ def abi_constants(family: str, kernel: str, arch: str) -> dict[str, list[Constan
             Constant("Traits::kMaxSmemBytes", ARCHS[arch].max_smem_per_block,
                      f"flashkiln.archs.ARCHS['{arch}'].max_smem_per_block"),
         ]
-    if family == "hopper" and kernel in ("bwd", "bwd_post"):
+    if family == "hopper" and kernel in ("bwd", "bwd_post", "bwd_dbias"):
         unit.append(Constant("flashkiln::hopper::kBwdConsumerWarpgroups", BWD_CONSUMER_WARPGROUPS,
                              "flashkiln.params.BWD_CONSUMER_WARPGROUPS"))
-    if family == "hopper" and kernel == "bwd":
+    if family == "hopper" and kernel in ("bwd", "bwd_dbias"):
         traits += [
             Constant("Traits::kBoxCols", BOX_COLS, "flashkiln.tma.BOX_COLS"),
             Constant("Traits::kMaxSmemBytes", ARCHS[arch].max_smem_per_block,

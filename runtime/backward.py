@@ -259,9 +259,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     than k and v hold (a block of ring attention, flashkiln.ring), so the kernels take each row's
     delta from rowsum(dout * out) alone (where a call holds all of a row's keys, they otherwise
     recompute it from the unrounded P and dP, which is exact only then).
-    dbias follows `deterministic` too: the hopper family adds the dS of the pairs that share a bias
-    broadcast over batch entries or heads in any order unless deterministic; every other dbias is
-    deterministic either way. With a bias the portable family runs a deterministic route
+    dbias follows `deterministic` too: where the hopper family's main kernel sums the dS of the
+    pairs that share a bias broadcast over batch entries or heads (packed batches, head dims 192/128
+    and 256, and a bias shared by heads above head dim 64: hopper_family.dbias_kernel), they add in
+    any order unless deterministic; every other dbias is deterministic either way. With a bias
+    the portable family runs a deterministic route
     whatever `deterministic` says (its only biased kernels), and so does the hopper family for a
     call without a causal mask above head dim 128 that stores a full bias's dS as dbias (where that
     route measured faster, hopper_family.ordered); otherwise it follows `deterministic`.

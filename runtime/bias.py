@@ -9,8 +9,9 @@ route already keeps in a dense (B, H_q, S_q, S_k) layout: a full bias's gradient
 a broadcast one its sum over the broadcast dims (a fixed-order torch reduction, so deterministic).
 The hopper backward reduces a broadcast bias's dS in its main kernel instead (`reduction`), so
 that no dense dS exists: a bias broadcast over the rows gets each CTA's column sums (B, H_q, S_k),
-one broadcast over batch entries or heads alone an fp32 sum in its own shape, which the CTAs that
-share a slice add to in a fixed order; both deterministic.
+one broadcast over batch entries or heads alone the sum of its sharing pairs' dS per tile from a
+kernel of its own (TILES), or where the family keeps it in the main kernel an fp32 sum in its own
+shape, which the CTAs that share a slice add to (in a fixed order when deterministic).
 
 A bias constant along the keys (its key dim is 1: broadcast, or S_k = 1) needs no dS at all: a
 row's dS sums to `mass_i * dLSE_i + p_i * delta_i` in exact arithmetic, where mass_i = sum_j P_ij,
@@ -107,8 +108,9 @@ def ds_row_elements(seqlen_k: int) -> int:
 # How a kernel that reduces dS itself (the hopper backward) gives dBias of a key-varying bias:
 # every dS tile into the dense workspace (a full bias, whose dBias it is), column sums per (batch,
 # head) (a bias broadcast over the rows), or one fp32 sum per slice of the bias (broadcast over
-# batch entries or heads alone).
-STORE, COLUMNS, SUM = "ds_workspace", "dbias_columns", "dbias_sum"
+# batch entries or heads alone). TILES serves SUM's biases where a kernel of their own sums the
+# sharing pairs' dS per tile (the hopper family's bwd_dbias): the bias's own planes in its type.
+STORE, COLUMNS, SUM, TILES = "ds_workspace", "dbias_columns", "dbias_sum", "dbias_tiles"
 
 
 def reduction(bias: KernelBias, packed: bool) -> str:
@@ -124,7 +126,8 @@ def reduction(bias: KernelBias, packed: bool) -> str:
 
 
 def sum_shape(bias: KernelBias) -> tuple[int, int, int, int]:
-    """The SUM accumulator: the bias's (batch entries, heads, S_q) by S_k in 8-element pieces."""
+    """The SUM accumulator (and TILES's planes): the bias's (batch entries, heads, S_q) by S_k in
+    8-element pieces."""
     b, hq, sq, sk = bias.tensor.shape
     return (1 if 0 in bias.broadcast_dims else b, 1 if 1 in bias.broadcast_dims else hq, sq, ds_row_elements(sk))
 
@@ -141,8 +144,9 @@ def bias_gradient(scratch: dict[str, torch.Tensor | None], bias: KernelBias) -> 
     the broadcast dims that the kernels have not already taken (fixed-order torch reductions)."""
     b, hq, sq, sk = bias.tensor.shape
     dtype = bias.tensor.dtype
-    if scratch.get(SUM) is not None:
-        return scratch[SUM][..., :sk].to(dtype).reshape(bias.shape)
+    for role in (SUM, TILES):
+        if scratch.get(role) is not None:
+            return scratch[role][..., :sk].to(dtype).reshape(bias.shape)
     if scratch.get(COLUMNS) is not None:
         columns, dims = scratch[COLUMNS][:, :, None, :], tuple(d for d in bias.broadcast_dims if d < 2)
         return (columns.sum(dim=dims, keepdim=True) if dims else columns).to(dtype).reshape(bias.shape)

@@ -16,9 +16,9 @@ from .varlen import BatchShape, PackedBatch
 
 
 # The kernels whose tiles follow the visibility rule (common/visibility.hpp), and so a window.
-VISIBILITY_KERNELS = ("fwd", "bwd", "bwd_dq")
+VISIBILITY_KERNELS = ("fwd", "bwd", "bwd_dq", "bwd_dbias")
 # The kernels that compute the scores, and so cap them (common/softcap.hpp).
-SCORE_KERNELS = ("fwd", "bwd")
+SCORE_KERNELS = ("fwd", "bwd", "bwd_dbias")
 
 
 def _sequence_bounds(packed: PackedBatch | None) -> dict[str, torch.Tensor | None]:

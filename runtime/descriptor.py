@@ -51,7 +51,7 @@ _CAUSAL_TAGS = {"none": "", "bottom_right": "causal-br"}
 HEAD_DIMS = tuple(range(32, 257, 32))
 
 AXES: tuple[Axis, ...] = (
-    Axis("kernel", ("fwd", "bwd_pre", "bwd", "bwd_post", "bwd_dq"), spec_key="kernel"),
+    Axis("kernel", ("fwd", "bwd_pre", "bwd", "bwd_post", "bwd_dq", "bwd_dbias"), spec_key="kernel"),
     Axis("family", ("portable", "hopper")),
     Axis("arch", tuple(ARCHS), tag=lambda arch: arch.replace("_", ""), spec_key="arch"),
     Axis("dtype", ("fp16", "bf16"), per_entry=True, spec_key="dtype"),

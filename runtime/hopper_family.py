@@ -4,7 +4,8 @@ Forward (hopper/fwd_*.hpp): of a variant's several tunings it takes the one flas
 estimates fastest for the call's shape. Backward (hopper/bwd_*.hpp): the portable family's
 preprocess (delta, the dQ accumulator zeroed), the main kernel (a CTA per key tile and query
 head), then its own postprocess; dense and packed batches, with or without an additive bias and
-dBias (which the main kernel reduces: flashkiln.bias). One main kernel serves deterministic calls
+dBias (which the main kernel reduces, or for a bias shared by several (batch, head) pairs a kernel
+of its own sums: flashkiln.bias). One main kernel serves deterministic calls
 too: given semaphores it adds dQ in a fixed key-tile order.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .errors import UnsupportedError
 from .launch import BackwardLaunches, KernelLaunch, ScratchSet, Target, ceil_div
 from .params import (BATCH_INNER, BWD_CONSUMER_WARPGROUPS, HEADS_INNER, QUERY_TILES_INNER, BwdParams,
                      HopperBwdParams, HopperFwdParams, TmaDescriptor, bwd_column_parts)
-from .registry import KernelRegistry
+from .registry import KernelEntry, KernelRegistry
 
 NAME = "hopper"
 CAPABILITY = (9, 0)
@@ -97,12 +98,37 @@ def plan_forward(call: ForwardCall, target: Target, registry: KernelRegistry,
     return [KernelLaunch.planned(entry, grid, params, tensors, tensor_maps)]
 
 
-def backward_request(call: BackwardCall) -> dict:
+def backward_request(call: BackwardCall, dbias_in_main: bool = True) -> dict:
     """The functional fields of the call's main backward kernel: one kernel per causal mode and
     bias serves deterministic calls (the runtime passes it semaphores) and packed batches (it reads
-    their sequence bounds) too; dBias of a key-varying bias has kernels of its own (bias_grad)."""
+    their sequence bounds) too; dBias of a key-varying bias has kernels of its own (bias_grad),
+    unless bwd_dbias gives it (`dbias_in_main` False: dbias_kernel)."""
     return call.kernel_request("bwd", NAME, causal=call.causal, bias="none" if call.bias is None else "additive",
-                               bias_grad=call.bias_grad and not call.bias.key_constant)
+                               bias_grad=dbias_in_main and call.bias_grad and not call.bias.key_constant)
+
+
+# Above this d_qk a bias whose slices the heads share keeps the main kernel's in-place sum (its
+# pairs side by side): there bwd_dbias's reloads of K, V, Q and dO per pair (12 bytes per dBias
+# element at d 128) cost more than the sum's fp32 adds. bwd_dbias over that sum: 0.80-0.90x at d 128,
+# S 8k (0.89-1.04x at 2k); 0.91-1.21x at d 64; 1.03-1.84x for a bias shared by batch entries alone,
+# whose plane the sum must zero and convert (docs/perf.md, v47; d 96 follows d 128, unmeasured).
+DBIAS_KERNEL_HEADS_SHARED_MAX_D = 64
+
+
+def dbias_kernel(call: BackwardCall, target: Target, registry: KernelRegistry) -> KernelEntry | None:
+    """The bwd_dbias kernel that gives dBias of the call's bias shared by several (batch entry,
+    head) pairs, one CTA per dBias tile summing every pair's recomputed dS (hopper/bwd_dbias.hpp):
+    for a dense batch whose bias reduction is SUM, unless heads share its slices above
+    DBIAS_KERNEL_HEADS_SHARED_MAX_D, where the variant exists; else None, and the main kernel adds
+    the pairs' dS into an fp32 sum."""
+    bias = call.bias
+    if (call.packed is not None or not call.bias_grad or bias.key_constant
+            or bias_mod.reduction(bias, False) != bias_mod.SUM):
+        return None
+    if 1 in bias.broadcast_dims and call.q.shape[3] > DBIAS_KERNEL_HEADS_SHARED_MAX_D:
+        return None
+    request = call.kernel_request("bwd_dbias", NAME, causal=call.causal, bias="additive")
+    return registry.find(request, *target.limits) if registry.has(request, target.capability) else None
 
 
 # Above this d_qk a call that stores a full bias's dS as its dBias without a causal mask keeps the
@@ -151,7 +177,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     a query tile's dQ), and for dBias of a key-varying bias one of ds_workspace (dS, as the
     portable workspace route keeps it), dbias_columns and dbias_sum (the kernel's reductions,
     flashkiln.bias and hopper/bwd_params.hpp; a deterministic call's members take turns on the sum,
-    counted in dbias_semaphore)."""
+    counted in dbias_semaphore), or dbias_tiles (the bias's planes in its type, which bwd_dbias
+    writes in place of dbias_sum: dbias_kernel)."""
     bias = call.bias
     deterministic = ordered(call)
     route = dq_routes.fallback_route(deterministic)
@@ -164,7 +191,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     hkv, d_v = k.shape[1], v.shape[3]
     shape = call.shape
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
-    main = registry.find(backward_request(call), *target.limits)
+    tiles = dbias_kernel(call, target, registry)
+    main = registry.find(backward_request(call, dbias_in_main=tiles is None), *target.limits)
     pre = registry.find(call.kernel_request("bwd_pre", portable_family.NAME), *target.limits)
     post = registry.find(call.kernel_request("bwd_post", NAME), *target.limits)
     tile_m, tile_n = main.descriptor["tile_m"], main.descriptor["tile_n"]
@@ -176,9 +204,11 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     sq_rounded, dq_accum_rows = shape.seqlen_q_rounded, shape.dq_accum_rows
     f32 = torch.float32
     packed = call.packed is not None
-    for role in (bias_mod.STORE, bias_mod.COLUMNS, bias_mod.SUM, "dbias_semaphore"):
+    for role in (bias_mod.STORE, bias_mod.COLUMNS, bias_mod.SUM, bias_mod.TILES, "dbias_semaphore"):
         scratch.absent(role)
     reduction = bias_mod.reduction(bias, packed) if call.bias_grad and not bias.key_constant else None
+    if tiles is not None:
+        reduction = bias_mod.TILES
     dbias_map = TmaDescriptor()
     if reduction == bias_mod.STORE:
         # The kernel zeroes the tiles that no key tile visits, not those past a packed sequence's ends.
@@ -186,6 +216,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         dbias_map = tma.encode(bias_mod.workspace_planes(workspace, b, hq, sq, sk), tile_m, whole_boxes=False)
     elif reduction == bias_mod.COLUMNS:
         scratch.take(reduction, (b, hq, sk), f32, zeroed=True)
+    elif reduction == bias_mod.TILES:  # every element written by bwd_dbias
+        scratch.take(reduction, bias_mod.sum_shape(bias), q.dtype)
     elif reduction == bias_mod.SUM:
         sum_shape = bias_mod.sum_shape(bias)
         scratch.take(reduction, sum_shape, f32, zeroed=True)
@@ -236,4 +268,25 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         KernelLaunch.planned(main, (key_tiles, hq, b), params, tensors, tensor_maps),
         KernelLaunch.planned(post, (ceil_div(sq, post.descriptor["tile_m"]), hq, b), rows, tensors),
     ]
+    if tiles is not None:  # after the main kernel, whose exact deltas (one key tile per row) it reads
+        launches.insert(2, _dbias_launch(tiles, call, params, tensors))
     return BackwardLaunches(launches, route)
+
+
+def _dbias_launch(entry: KernelEntry, call: BackwardCall, params: HopperBwdParams,
+                  tensors: dict[str, torch.Tensor | None]) -> KernelLaunch:
+    """bwd_dbias's launch: the main kernel's parameters with maps for its own tiles, and dBias's
+    (the TILES planes, clipped at S_k) to store into; a CTA per (key tile, query tile, bias slice)."""
+    tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
+    shape = call.shape
+    planes = tensors[bias_mod.TILES]
+    maps = {"tma_q": ("q", tile_m), "tma_k": ("k", tile_n), "tma_v": ("v", tile_n), "tma_do": ("dout", tile_m)}
+    dbias = HopperBwdParams.from_buffer_copy(params)
+    for name, (role, rows) in maps.items():
+        setattr(dbias, name, tma.encode(tensors[role], rows))
+    dbias.tma_bias = tma.encode_bias(call.bias.tensor, tile_m).descriptor
+    dbias.tma_dbias = tma.encode(planes[..., :shape.seqlen_k], tile_m, whole_boxes=False)
+    roles = {**{name: role for name, (role, _) in maps.items()}, "tma_bias": "bias", "tma_dbias": bias_mod.TILES}
+    tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
+    grid = (ceil_div(shape.seqlen_k, tile_n), ceil_div(shape.seqlen_q, tile_m), planes.shape[0] * planes.shape[1])
+    return KernelLaunch.planned(entry, grid, dbias, tensors, tensor_maps)

@@ -181,6 +181,7 @@ PARAMS_BY_KERNEL: dict[str, tuple[str, type[ctypes.Structure]]] = {
 PARAMS_BY_FAMILY_KERNEL: dict[tuple[str, str], tuple[str, type[ctypes.Structure]]] = {
     ("hopper", "fwd"): ("flashkiln::HopperFwdParams", HopperFwdParams),
     ("hopper", "bwd"): ("flashkiln::HopperBwdParams", HopperBwdParams),
+    ("hopper", "bwd_dbias"): ("flashkiln::HopperBwdParams", HopperBwdParams),
 }
 
 

@@ -390,16 +390,16 @@ def test_the_backward_dispatches_through_the_same_table(planned):
 
 
 def _backward_call(causal: str = "none", deterministic: bool = False, bias_shape: tuple | None = None,
-                   hkv: int = 2, d: int = 128, **extra):
-    """A (1, 2, 64, d) bf16 CPU call (k and v with `hkv` heads) for the planners (they refuse or
+                   hkv: int = 2, d: int = 128, batch: int = 1, **extra):
+    """A (batch, 2, 64, d) bf16 CPU call (k and v with `hkv` heads) for the planners (they refuse or
     look up before any launch)."""
     from flashkiln.calls import BackwardCall
 
-    q, out, dout = (torch.zeros(1, 2, 64, d, dtype=torch.bfloat16) for _ in range(3))
-    k, v = (torch.zeros(1, hkv, 64, d, dtype=torch.bfloat16) for _ in range(2))
+    q, out, dout = (torch.zeros(batch, 2, 64, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.zeros(batch, hkv, 64, d, dtype=torch.bfloat16) for _ in range(2))
     if bias_shape is not None:
-        extra["bias"] = prepare_bias(torch.zeros(bias_shape, dtype=torch.bfloat16), (1, 2, 64, 64), q)
-    return BackwardCall(dout, q, k, v, out, torch.zeros(1, 2, 64), q, k, v, causal, 0.1, deterministic, **extra)
+        extra["bias"] = prepare_bias(torch.zeros(bias_shape, dtype=torch.bfloat16), (batch, 2, 64, 64), q)
+    return BackwardCall(dout, q, k, v, out, torch.zeros(batch, 2, 64), q, k, v, causal, 0.1, deterministic, **extra)
 
 
 def _plan_hopper_backward(call, registry=None):
@@ -512,21 +512,62 @@ def test_a_gqa_backward_adds_into_sums_per_kv_head_unless_deterministic(monkeypa
     assert [s.zeroed for s in scratch.specs if s.role in ("dk_accum", "dv_accum")] == [accum_heads == hkv] * 2
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_a_shared_bias_takes_dbias_turns_only_when_deterministic(monkeypatch, deterministic):
+@pytest.mark.parametrize("bias_shape, d, summed_per_tile", [
+    ((1, 2, 64, 64), 128, True),  # shared by batch entries alone: bwd_dbias at every head dim it has
+    ((1, 1, 64, 64), 64, True),  # shared by heads: bwd_dbias at d 64
+    ((1, 1, 64, 64), 128, False),  # ... above it, the main kernel's in-place sum
+    ((2, 1, 64, 64), 96, False),
+])
+def test_bwd_dbias_takes_the_shared_biases_it_measured_faster_for(bias_shape, d, summed_per_tile):
     from types import SimpleNamespace
 
     class Registry:
+        def has(self, request, capability):
+            return True
+
         def find(self, request, capability, smem_limit=None):
-            return SimpleNamespace(descriptor={"tile_m": 64, "tile_n": 128, "kernel": request["kernel"]})
+            return SimpleNamespace(descriptor=request)
+
+    call = _backward_call(bias_shape=bias_shape, bias_grad=True, d=d, batch=2)
+    assert (hopper_family.dbias_kernel(call, fake_target((9, 0)), Registry()) is not None) is summed_per_tile
+    # Not for a full bias, a row-broadcast or key-constant one, or without dBias.
+    for shape, grad in ((bias_shape, False), ((2, 2, 64, 64), True), ((1, 2, 1, 64), True), ((1, 2, 64, 1), True)):
+        other = _backward_call(bias_shape=shape, bias_grad=grad, d=d, batch=2)
+        assert hopper_family.dbias_kernel(other, fake_target((9, 0)), Registry()) is None
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("with_dbias_kernel", [False, True])
+def test_a_shared_bias_dbias_is_summed_per_tile_or_in_the_main_kernel(monkeypatch, with_dbias_kernel, deterministic):
+    """Where the registry has bwd_dbias, it gives a shared bias's dBias (after the main kernel,
+    which then has no dBias of its own) into the bias's own planes; else the main kernel adds the
+    members' dS into an fp32 sum, taking turns only when deterministic."""
+    from types import SimpleNamespace
+
+    class Registry:
+        def has(self, request, capability):
+            return with_dbias_kernel or request["kernel"] != "bwd_dbias"
+
+        def find(self, request, capability, smem_limit=None):
+            assert self.has(request, capability)
+            return SimpleNamespace(descriptor={"tile_m": 64, "tile_n": 128, **request})
 
     monkeypatch.setattr(tma, "_encoded", lambda shape, dtype: (0,) * 16)  # no driver here
-    call = _backward_call(deterministic=deterministic, bias_shape=(1, 1, 64, 64), bias_grad=True)
+    call = _backward_call(deterministic=deterministic, bias_shape=(1, 2, 64, 64), bias_grad=True, batch=2)
     scratch = ScratchSet(call.q.device)
-    main = hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), scratch).launches[1].params
-    total, turns = scratch.tensors["dbias_sum"], scratch.tensors["dbias_semaphore"]
-    assert main.dbias_sum == total.data_ptr()
+    launches = hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), scratch).launches
+    main = launches[1]
+    assert main.entry.descriptor["bias_grad"] is not with_dbias_kernel
+    total, turns, planes = (scratch.tensors[r] for r in ("dbias_sum", "dbias_semaphore", "dbias_tiles"))
+    if with_dbias_kernel:
+        assert [launch.entry.descriptor["kernel"] for launch in launches] == ["bwd_pre", "bwd", "bwd_dbias",
+                                                                               "bwd_post"]
+        assert total is None and turns is None and main.params.dbias_sum == 0
+        assert planes.shape == (1, 2, 64, 64) and planes.dtype == call.q.dtype
+        assert launches[2].grid == (1, 1, 2)  # (key tiles, query tiles, bias slices: its heads)
+        return
+    assert planes is None and len(launches) == 3 and main.params.dbias_sum == total.data_ptr()
     if deterministic:
-        assert turns.shape == (1, 1, 1) and turns.dtype == torch.int32 and main.dbias_semaphore == turns.data_ptr()
+        assert turns.shape == (2, 1, 1) and turns.dtype == torch.int32 and main.params.dbias_semaphore == turns.data_ptr()
     else:
-        assert turns is None and main.dbias_semaphore == 0
+        assert turns is None and main.params.dbias_semaphore == 0

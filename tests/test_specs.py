@@ -85,7 +85,7 @@ TUNING = "specs/tuning/portable.yaml"
 
 # -- expansion --------------------------------------------------------------------------------
 
-def test_default_specs_expand_to_898_unique_variants():
+def test_default_specs_expand_to_918_unique_variants():
     variants = load_variants(REPO / "specs")
     # Two causal modes (none, and bottom_right, which runs top-left calls too). portable, per arch
     # (sm_80, sm_86, sm_90a, sm_120): fwd 40 (5 head dims, 2 dtypes, with and without a bias), bwd
@@ -95,23 +95,24 @@ def test_default_specs_expand_to_898_unique_variants():
     # 20 + 8 (second tunings of d 64 and 128) + 20 (bias) + 16 (window, both tunings of d 64 and 128)
     # + 4 (window, d 256) + 8 (window and bias), each dense and packed, + 12 (softcap, dense, one
     # tuning, d 64, 128 and 256), bwd 20 (d 64, 96, 128, 192/128, 256) + 20 (bias) + 20 (bias with
-    # dBias) + 12 (window) + 8 (window and bias) + 8 (window, bias with dBias) + 12 (softcap) and
-    # bwd_post 10
-    assert len(variants) == 898
-    assert len({v.descriptor.hash for v in variants}) == 898
-    assert len({v.descriptor.name for v in variants}) == 898
+    # dBias) + 12 (window) + 8 (window and bias) + 8 (window, bias with dBias) + 12 (softcap),
+    # bwd_post 10, and bwd_dbias 12 (d 64, 96, 128) + 8 (window, d 64 and 128)
+    assert len(variants) == 918
+    assert len({v.descriptor.hash for v in variants}) == 918
+    assert len({v.descriptor.name for v in variants}) == 918
     assert sum(v.descriptor.packed for v in variants) == 76
-    assert sum(v.descriptor.window for v in variants) == 152
+    assert sum(v.descriptor.window for v in variants) == 160
     assert sum(v.descriptor.softcap for v in variants) == 40
     assert sum(v.descriptor.bias_grad for v in variants) == 28
     assert sum(v.relative_speed != 1 for v in variants) == 32
     archs = [v.descriptor.arch for v in variants]
-    assert [archs.count(a) for a in ("sm_80", "sm_86", "sm_90a", "sm_120")] == [140, 140, 478, 140]
+    assert [archs.count(a) for a in ("sm_80", "sm_86", "sm_90a", "sm_120")] == [140, 140, 498, 140]
     assert {(v.descriptor.d_qk, v.descriptor.d_v) for v in variants} == {
         (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     kinds = [v.descriptor.kernel for v in variants]
-    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq")] == [348, 372, 40, 50, 88]
-    assert sum(v.descriptor.bias == "additive" for v in variants) == 288
+    assert [kinds.count(k) for k in ("fwd", "bwd", "bwd_pre", "bwd_post", "bwd_dq", "bwd_dbias")] == [
+        348, 372, 40, 50, 88, 20]
+    assert sum(v.descriptor.bias == "additive" for v in variants) == 308
     assert {v.spec_file for v in variants} == {SPEC, "specs/hopper.yaml"}
     assert all(v.spec_file == "specs/hopper.yaml" for v in variants if v.descriptor.family == "hopper")
 
@@ -150,7 +151,7 @@ def test_the_full_sets_sm90a_portable_kernels_are_what_the_hopper_family_covers(
     full_only = [v.descriptor for v in variants if v.full_only]
     assert full_only and all(d.family == "portable" and d.arch == "sm_90a" for d in full_only)
     assert [d.name for d in full_only if not covered(d)] == []
-    assert len(default) == 898 - len(full_only)
+    assert len(default) == 918 - len(full_only)
 
 
 def test_portable_kernels_are_never_packed(tmp_path):

@@ -17,7 +17,8 @@ ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
 # How errors name a kernel a family lacks.
 KERNEL_TITLES = {"fwd": "the forward", "bwd_pre": "the backward's row preprocessing", "bwd": "the backward",
-                 "bwd_post": "the backward's row postprocessing", "bwd_dq": "the backward's dQ pass"}
+                 "bwd_post": "the backward's row postprocessing", "bwd_dq": "the backward's dQ pass",
+                 "bwd_dbias": "the backward's dBias of a shared bias"}
 
 
 class Family(ABC):

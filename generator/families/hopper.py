@@ -6,7 +6,10 @@ Backward (hopper/bwd_*.hpp): a CTA per key tile of tile_n keys and two consumer 
 split it by keys (tile_n 128, 64 each) or, at d 256 and 192/128, by dK's and dV's columns
 (tile_n 64), Q and dO of tile_m rows streaming through `stages` buffers; its postprocess
 (bwd_post) reads the main kernel's dQ accumulator in 64-row tiles whose column parts follow the
-head dim alone. The preprocess is the portable family's (bwd_pre). The formulas here are
+head dim alone. The preprocess is the portable family's (bwd_pre). dBias of a bias shared by several
+(batch entry, head) pairs (hopper/bwd_dbias.hpp): a CTA per (tile_m, tile_n) dBias tile of a bias
+slice, its two consumer warpgroups 64 keys each, K, V, Q and dO of each member through `stages`
+buffers. The formulas here are
 static_asserted by the C++ side (threads, shared-memory bytes), like the portable family's.
 """
 from __future__ import annotations
@@ -34,6 +37,8 @@ _DQ_TILE_ROWS = 64
 # (hopper/head_boxes.hpp), the others in 128-byte ones.
 _BWD_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 _BWD_KEY_SPLIT_COLUMNS = 256  # the most d_qk + d_v a warpgroup keeps for 64 keys (d 128)
+# bwd_dbias's head dims: those the main kernel splits by keys (S^T and dP^T of 64 keys per warpgroup).
+_DBIAS_HEAD_DIMS = (64, 96, 128)
 
 
 class HopperFamily(Family):
@@ -42,7 +47,8 @@ class HopperFamily(Family):
     name = "hopper"
     archs = ("sm_90a",)
     arch_needs = "wgmma and setmaxnreg"
-    kernels = {"fwd": "hopper_fwd.cu.j2", "bwd": "hopper_bwd.cu.j2", "bwd_post": "hopper_bwd_post.cu.j2"}
+    kernels = {"fwd": "hopper_fwd.cu.j2", "bwd": "hopper_bwd.cu.j2", "bwd_post": "hopper_bwd_post.cu.j2",
+               "bwd_dbias": "hopper_bwd_dbias.cu.j2"}
     shared_tiles = {}
 
     def consumer_warpgroups(self, d: VariantDescriptor) -> int:
@@ -61,6 +67,8 @@ class HopperFamily(Family):
     def smem_bytes(self, d: VariantDescriptor) -> int:
         if d.kernel == "bwd":
             return self._bwd_smem_bytes(d)
+        if d.kernel == "bwd_dbias":
+            return self._dbias_smem_bytes(d)
         if d.kernel == "bwd_post":
             return 0
         return self._smem_bytes(d, own_o=self.own_o_buffer(d), q_slots=self.q_slots(d))
@@ -85,6 +93,16 @@ class HopperFamily(Family):
         stats_and_barriers = 2 * 3 * d.tile_m * 4 + barriers + 4 * 8 + (not bias)  # + dSink's per-warp sums
         bias_tiles = bias * elem * d.stages * d.tile_m * d.tile_n
         return tiles + dq_staging + -(-stats_and_barriers // 1024) * 1024 + bias_tiles + _ALIGN_SLACK
+
+    @staticmethod
+    def _dbias_smem_bytes(d: VariantDescriptor) -> int:
+        """DbiasTraits::SharedStorage: `stages` x (Q, dO, K, V), the bias tile, then two buffers of
+        row stats (LSE, delta) and the barriers (bias, `stages` x full and empty), rounded up to
+        1024 bytes, and the alignment slack."""
+        elem = ELEMENT_BYTES[d.dtype]
+        tiles = elem * (2 * d.stages * (d.tile_m + d.tile_n) * d.d_qk + d.tile_m * d.tile_n)
+        stats_and_barriers = 2 * 2 * d.tile_m * 4 + 8 * (1 + 2 * d.stages)
+        return tiles + -(-stats_and_barriers // 1024) * 1024 + _ALIGN_SLACK
 
     def own_o_buffer(self, d: VariantDescriptor) -> bool:
         """O gets its own shared-memory buffer (Q's then loads early) wherever it fits (fwd_traits.hpp)."""
@@ -113,6 +131,8 @@ class HopperFamily(Family):
             errors.append("deterministic=true: the forward is deterministic by construction")
         if d.bias_grad and (d.kernel != "bwd" or d.bias == "none"):
             errors.append("bias_grad=true: only the backward's main kernel with a bias writes dBias")
+        if d.kernel == "bwd_dbias":
+            return errors + self._dbias_combination_errors(d)
         # Every head dim of the descriptor (a multiple of 32) is whole boxes of head_box_cols(d).
         if d.kernel != "fwd":
             return errors + self._bwd_combination_errors(d)
@@ -136,7 +156,23 @@ class HopperFamily(Family):
             errors.append(f"causal={d.causal}: bwd_post does not mask; list it with causal: [none]")
         return errors
 
+    @staticmethod
+    def _dbias_combination_errors(d: VariantDescriptor) -> list[str]:
+        errors = []
+        if d.bias == "none":
+            errors.append("bias=none: bwd_dbias sums a shared bias's dS; list it with bias: [additive]")
+        if d.d_qk != d.d_v or d.d_qk not in _DBIAS_HEAD_DIMS:
+            errors.append(f"d_qk={d.d_qk}, d_v={d.d_v}: bwd_dbias has head dims "
+                          f"{', '.join(map(str, _DBIAS_HEAD_DIMS))} (the main kernel's split by keys)")
+        for field, why in (("deterministic", "its sums are in a fixed order by construction"),
+                           ("packed", "it runs dense batches only"), ("softcap", "a capped call has no bias")):
+            if getattr(d, field):
+                errors.append(f"{field}=true: bwd_dbias has none ({why}); list {field}: [false]")
+        return errors
+
     def tuning_errors(self, d: VariantDescriptor) -> list[str]:
+        if d.kernel == "bwd_dbias":
+            return self._dbias_tuning_errors(d)
         if d.kernel != "fwd":
             return self._bwd_tuning_errors(d)
         errors = []
@@ -154,6 +190,20 @@ class HopperFamily(Family):
                           f"{_BOX_COLS}-key TMA boxes)")
         if d.stages < 2:
             errors.append(f"stages={d.stages}: the K/V ring needs at least 2 buffers")
+        return errors + smem_limit_errors(d, self.smem_bytes(d))
+
+    def _dbias_tuning_errors(self, d: VariantDescriptor) -> list[str]:
+        errors = []
+        if d.tile_n != 64 * _BWD_CONSUMER_WARPGROUPS:
+            errors.append(f"tile_n={d.tile_n}: bwd_dbias's two consumer warpgroups take 64 keys each: "
+                          f"{64 * _BWD_CONSUMER_WARPGROUPS}")
+        if d.tile_m not in (64, 128):
+            errors.append(f"tile_m={d.tile_m}: must be 64 or 128 (a consumer thread loads each row's LSE and delta)")
+        if d.warps != 4 * (1 + _BWD_CONSUMER_WARPGROUPS):
+            errors.append(f"warps={d.warps}: bwd_dbias needs {4 * (1 + _BWD_CONSUMER_WARPGROUPS)} (a producer "
+                          "warpgroup and two consumers)")
+        if d.stages < 2:
+            errors.append(f"stages={d.stages}: the member pipeline needs at least 2 buffers")
         return errors + smem_limit_errors(d, self.smem_bytes(d))
 
     def _bwd_tuning_errors(self, d: VariantDescriptor) -> list[str]:

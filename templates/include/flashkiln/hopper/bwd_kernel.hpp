@@ -863,19 +863,64 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       p.dv_row_stride, rows, thread);
 }
 
+// A CTA's place in the grid (key tiles, heads, batch entries or sequences): its key tile slot x
+// (n_block before a deterministic call's reversal), head and entry.
+struct BwdBlock {
+  int x, head, entry;
+};
+
+// Where the (batch entry, head) pairs that share a bias slice add their dS into one fp32 plane
+// (p.dbias_sum), they run in groups of up to kMembersInner side by side, innermost, then the key
+// tiles, then the next group. In the grid's own order each pair swept the whole plane before the
+// next one started, more than L2 holds, so that the plane went to DRAM and back once per pair
+// (measured 1.2-1.8x slower at S 8k, docs/perf.md v47). Groups of this size leave the CTAs in
+// flight about as many key tiles of a pair as pairs of a key tile, so that Q and dO are still read
+// by several CTAs at once. A pair keeps its key tiles' order, and lower members (dbias_share's)
+// start first, as the deterministic turns need.
+inline constexpr int kMembersInner = 16;
+
+template <class T>
+__device__ __forceinline__ BwdBlock bwd_block(HopperBwdParams const& p) {
+  if constexpr (T::kBiasGrad) {
+    if (p.dbias_sum != 0) {
+      const bool over_heads = p.bias_head_step == 0, over_entries = p.bias_batch_step == 0;
+      const int keys = gridDim.x, heads = gridDim.y, entries = gridDim.z;
+      const int members = (over_heads ? heads : 1) * (over_entries ? entries : 1);
+      int group = members;
+      if (group > kMembersInner) {
+        group = kMembersInner;
+        while (members % group != 0) {
+          group /= 2;
+        }
+      }
+      const int linear = int(blockIdx.x) + keys * (int(blockIdx.y) + heads * int(blockIdx.z));
+      const int x = linear / group % keys;
+      const int rest = linear / group / keys;  // (group, slice)
+      const int groups = members / group;
+      const int member = linear % group + group * (rest % groups);  // heads inner, as dbias_share counts
+      const int slice = rest / groups;
+      const int head = over_heads ? member % heads : slice % heads;
+      const int entry = over_entries ? (over_heads ? member / heads : member) : (over_heads ? slice : slice / heads);
+      return {x, head, entry};
+    }
+  }
+  return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+}
+
 template <class T>
 __device__ __forceinline__ void bwd_kernel(HopperBwdParams const& p) {
   auto& ss = aligned_shared_storage<typename T::SharedStorage>();
-  const Sequence s = sequence_of(p, blockIdx.z);
+  const BwdBlock block = bwd_block<T>(p);
+  const Sequence s = sequence_of(p, block.entry);
   const int n_tiles = ceil_div(s.seqlen_k, T::kBlockN);  // a packed batch's grid covers its longest sequence
-  if (int(blockIdx.x) >= n_tiles) {
+  if (block.x >= n_tiles) {
     return;
   }
   // A deterministic call's dQ order runs from the last key tile down (dq_turn): CTAs start in that
   // order, so that none waits for one not yet running (on a staggered sweep, which turns the order,
   // the runtime ensures that a sequence's key tiles all run at once).
-  const int n_block = p.dq_semaphore != 0 ? n_tiles - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int head = blockIdx.y;
+  const int n_block = p.dq_semaphore != 0 ? n_tiles - 1 - block.x : block.x;
+  const int head = block.head;
 
   if (threadIdx.x == 0) {
     Barrier::init(&ss.kv_full, 1);
