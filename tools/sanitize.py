@@ -16,7 +16,7 @@ import flashkiln
 from flashkiln.dq_routes import ROUTE_ENV, ROUTES
 
 # (B, H_q, H_kv, S_q, S_k, d or (d_qk, d_v), causal, bias shape or None, score modifications);
-# racecheck runs the first 8
+# racecheck runs the first 9 (tools/device_run.sh)
 CASES = [
     (1, 2, 1, 130, 200, 256, "bottom_right", None, {}),  # d 256: the hopper backward's split columns
     (1, 2, 1, 129, 200, 256, None, (1, 1, 1, 200), {}),  # ... with a bias: key sums joined across warpgroups
