@@ -107,6 +107,14 @@ def backward_request(call: BackwardCall, dbias_in_main: bool = True) -> dict:
                                bias_grad=dbias_in_main and call.bias_grad and not call.bias.key_constant)
 
 
+def dbias_reduction(call: BackwardCall) -> str | None:
+    """How the main kernel would give the call's dBias from dS (flashkiln.bias.reduction), or None
+    where it gives none (no dBias wanted, or a key-constant bias's closed form)."""
+    if not call.bias_grad or call.bias.key_constant:
+        return None
+    return bias_mod.reduction(call.bias, call.packed is not None)
+
+
 # Above this d_qk a bias whose slices the heads share keeps the main kernel's in-place sum (its
 # pairs side by side): there bwd_dbias's reloads of K, V, Q and dO per pair (12 bytes per dBias
 # element at d 128) cost more than the sum's fp32 adds. bwd_dbias over that sum: 0.80-0.90x at d 128,
@@ -121,11 +129,9 @@ def dbias_kernel(call: BackwardCall, target: Target, registry: KernelRegistry) -
     for a dense batch whose bias reduction is SUM, unless heads share its slices above
     DBIAS_KERNEL_HEADS_SHARED_MAX_D, where the variant exists; else None, and the main kernel adds
     the pairs' dS into an fp32 sum."""
-    bias = call.bias
-    if (call.packed is not None or not call.bias_grad or bias.key_constant
-            or bias_mod.reduction(bias, False) != bias_mod.SUM):
+    if call.packed is not None or dbias_reduction(call) != bias_mod.SUM:
         return None
-    if 1 in bias.broadcast_dims and call.q.shape[3] > DBIAS_KERNEL_HEADS_SHARED_MAX_D:
+    if 1 in call.bias.broadcast_dims and call.q.shape[3] > DBIAS_KERNEL_HEADS_SHARED_MAX_D:
         return None
     request = call.kernel_request("bwd_dbias", NAME, causal=call.causal, bias="additive")
     return registry.find(request, *target.limits) if registry.has(request, target.capability) else None
@@ -143,9 +149,8 @@ def ordered(call: BackwardCall) -> bool:
     ORDERED_STORED_DBIAS_ABOVE_D it stores a full bias's dS as dBias without a causal mask."""
     if call.deterministic:
         return True
-    bias = call.bias
-    return (call.q.shape[3] > ORDERED_STORED_DBIAS_ABOVE_D and call.causal == "none" and call.bias_grad
-            and not bias.key_constant and bias_mod.reduction(bias, call.packed is not None) == bias_mod.STORE)
+    return (call.q.shape[3] > ORDERED_STORED_DBIAS_ABOVE_D and call.causal == "none"
+            and dbias_reduction(call) == bias_mod.STORE)
 
 
 def staggered_sweep(call: BackwardCall, key_tiles: int, target: Target) -> bool:
@@ -206,9 +211,7 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
     packed = call.packed is not None
     for role in (bias_mod.STORE, bias_mod.COLUMNS, bias_mod.SUM, bias_mod.TILES, "dbias_semaphore"):
         scratch.absent(role)
-    reduction = bias_mod.reduction(bias, packed) if call.bias_grad and not bias.key_constant else None
-    if tiles is not None:
-        reduction = bias_mod.TILES
+    reduction = bias_mod.TILES if tiles is not None else dbias_reduction(call)
     dbias_map = TmaDescriptor()
     if reduction == bias_mod.STORE:
         # The kernel zeroes the tiles that no key tile visits, not those past a packed sequence's ends.
