@@ -233,26 +233,11 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
     wgmma_gemm<true>(mma, tdPrV(_, _, _, st.stage), tdPrdO(_, _, _, st.stage), acc_dp);
     warpgroup_wait<1>();  // S^T
     bias_transposed_into<T::kBlockM, T::kBlockM, false, Element>(acc_s, cS, bias_tile, inv_scale);
-    // P^T = exp(S^T * scale - LSE), 0 where the row does not see the key (or lies past the end).
-    auto exponentiate = [&](auto mask) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        const int key = get<0>(cS(i)), row = get<1>(cS(i));
-        float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -stats.lse_log2[row]));
-        if constexpr (decltype(mask)::value) {
-          bool visible = row0 + row < p.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
-          if constexpr (decltype(vis)::kLeftEdge) {
-            visible = visible && key >= first_visible_column(vis, row0 + row, key0);
-          }
-          prob = visible ? prob : 0.f;
-        }
-        acc_s(i) = prob;
-      }
-    };
+    auto lse_log2 = [&](int row) { return stats.lse_log2[row]; };
     if (masked) {
-      exponentiate(cute::true_type{});
+      exponentiate_transposed<true>(acc_s, cS, vis, row0, key0, p.seqlen_q, p.scale_log2, lse_log2);
     } else {
-      exponentiate(cute::false_type{});
+      exponentiate_transposed<false>(acc_s, cS, vis, row0, key0, p.seqlen_q, p.scale_log2, lse_log2);
     }
     warpgroup_wait<0>();  // dP^T
     Barrier::arrive(&ss.empty[st.stage]);  // K, V, Q and dO of the stage are read

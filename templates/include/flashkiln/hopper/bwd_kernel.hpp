@@ -570,31 +570,15 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       }
     }
 
-    // P^T = exp(S^T * scale - LSE), 0 where the row does not see the key (or lies past the end).
-    // Two copies of the loop, so that the tiles without a mask skip its per-score compares and
-    // selects (a branch inside one loop is flattened into predicated code that every tile runs).
-    auto exponentiate = [&](auto masked) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        const int key = get<0>(cS(i));
-        const int row = get<1>(cS(i));
-        const int slot = slot_of(row);
-        const float lse_log2 = slot < kEarlyRows ? early_lse[slot] : stats.lse_log2[row];
-        float prob = exp2f(fmaf(acc_s(i), p.scale_log2, -lse_log2));
-        if constexpr (decltype(masked)::value) {
-          bool visible = row0 + row < s.seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
-          if constexpr (decltype(vis)::kLeftEdge) {
-            visible = visible && key >= first_visible_column(vis, row0 + row, key0);
-          }
-          prob = visible ? prob : 0.f;
-        }
-        acc_s(i) = prob;
-      }
+    // P^T, with the first rows' LSEs from registers.
+    auto lse_log2 = [&](int row) {
+      const int slot = slot_of(row);
+      return slot < kEarlyRows ? early_lse[slot] : stats.lse_log2[row];
     };
     if (row0 + T::kBlockM > s.seqlen_q || needs_mask<T::kBlockM, T::kBlockN>(vis, row0, key0)) {
-      exponentiate(cute::true_type{});
+      exponentiate_transposed<true>(acc_s, cS, vis, row0, key0, s.seqlen_q, p.scale_log2, lse_log2);
     } else {
-      exponentiate(cute::false_type{});
+      exponentiate_transposed<false>(acc_s, cS, vis, row0, key0, s.seqlen_q, p.scale_log2, lse_log2);
     }
     p_regs = convert_fragment<Element>(acc_s);
     if constexpr (T::kSplitColumns) {

@@ -9,6 +9,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include <flashkiln/common/shared_access.hpp>
+#include <flashkiln/common/visibility.hpp>
 #include <flashkiln/hopper/swizzled_tile.hpp>
 
 namespace flashkiln::hopper {
@@ -59,6 +60,31 @@ __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coo
         }
       }
     }
+  }
+}
+
+// P^T = exp2(S^T * scale_log2 - LSE) in place, S^T a transposed (keys, rows) accumulator of the tile
+// from query row row0 and key key0, `lse_log2(row)` its rows' LSEs in base 2 (+inf: P = 0). With
+// kMasked, 0 where the row does not see the key or lies past the sequence: a select, not a multiply
+// (a row that sees no key has an infinite LSE). The caller picks kMasked per tile (needs_mask), so
+// that whole tiles run without the per-score compares, which a run-time branch inside the loop
+// would leave in every tile's code.
+template <bool kMasked, class Acc, class Coords, class Vis, class LseOf>
+__device__ __forceinline__ void exponentiate_transposed(Acc& acc, Coords const& coords, Vis const& vis, int row0,
+                                                        int key0, int seqlen_q, float scale_log2, LseOf&& lse_log2) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const int key = get<0>(coords(i));
+    const int row = get<1>(coords(i));
+    float prob = exp2f(fmaf(acc(i), scale_log2, -lse_log2(row)));
+    if constexpr (kMasked) {
+      bool visible = row0 + row < seqlen_q && key < first_hidden_column(vis, row0 + row, key0);
+      if constexpr (Vis::kLeftEdge) {
+        visible = visible && key >= first_visible_column(vis, row0 + row, key0);
+      }
+      prob = visible ? prob : 0.f;
+    }
+    acc(i) = prob;
   }
 }
 
