@@ -1,8 +1,8 @@
 // The timeline probe of the Hopper backward (`generate --probe timeline`, read by
 // tools/bwd_timeline.py): the first consumer thread of each CTA (and, for the dS stores, the
 // producer thread) records where it is, in SM clock cycles, into a global array of the module that
-// the tool finds by name. Without FLASHKILN_PROBE_TIMELINE every
-// function here is empty and reads no clock, so shipped kernels carry none of it.
+// the tool finds by name. Without FLASHKILN_PROBE_TIMELINE every function here is empty and reads
+// no clock, so shipped kernels carry none of it.
 #pragma once
 
 namespace flashkiln::hopper {
