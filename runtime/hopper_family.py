@@ -116,8 +116,8 @@ def dbias_reduction(call: BackwardCall) -> str | None:
 
 
 # Above this d_qk a bias whose slices the heads share keeps the main kernel's in-place sum (its
-# pairs side by side): there bwd_dbias's reloads of K, V, Q and dO per pair (12 bytes per dBias
-# element at d 128) cost more than the sum's fp32 adds. bwd_dbias over that sum: 0.80-0.90x at d 128,
+# pairs side by side): there bwd_dbias, which recomputes two GEMMs per pair and tile, measured
+# slower than the sum's fp32 adds. bwd_dbias over that sum: 0.80-0.90x at d 128,
 # S 8k (0.89-1.04x at 2k); 0.91-1.21x at d 64; 1.03-1.84x for a bias shared by batch entries alone,
 # whose plane the sum must zero and convert (docs/perf.md, v47; d 96 follows d 128, unmeasured).
 DBIAS_KERNEL_HEADS_SHARED_MAX_D = 64
