@@ -272,14 +272,15 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
         KernelLaunch.planned(post, (ceil_div(sq, post.descriptor["tile_m"]), hq, b), rows, tensors),
     ]
     if tiles is not None:  # after the main kernel, whose exact deltas (one key tile per row) it reads
-        launches.insert(2, _dbias_launch(tiles, call, params, tensors))
+        launches.insert(2, _dbias_launch(tiles, call, params, tensors, target))
     return BackwardLaunches(launches, route)
 
 
 def _dbias_launch(entry: KernelEntry, call: BackwardCall, params: HopperBwdParams,
-                  tensors: dict[str, torch.Tensor | None]) -> KernelLaunch:
+                  tensors: dict[str, torch.Tensor | None], target: Target) -> KernelLaunch:
     """bwd_dbias's launch: the main kernel's parameters with maps for its own tiles, and dBias's
-    (the TILES planes, clipped at S_k) to store into; a CTA per (key tile, query tile, bias slice)."""
+    (the TILES planes, clipped at S_k) to store into; persistent, at most one CTA per SM for its
+    (key tile, query tile, bias slice) tiles."""
     tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
     shape = call.shape
     planes = tensors[bias_mod.TILES]
@@ -291,5 +292,5 @@ def _dbias_launch(entry: KernelEntry, call: BackwardCall, params: HopperBwdParam
     dbias.tma_dbias = tma.encode(planes[..., :shape.seqlen_k], tile_m, whole_boxes=False)
     roles = {**{name: role for name, (role, _) in maps.items()}, "tma_bias": "bias", "tma_dbias": bias_mod.TILES}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
-    grid = (ceil_div(shape.seqlen_k, tile_n), ceil_div(shape.seqlen_q, tile_m), planes.shape[0] * planes.shape[1])
-    return KernelLaunch.planned(entry, grid, dbias, tensors, tensor_maps)
+    tiles = ceil_div(shape.seqlen_k, tile_n) * ceil_div(shape.seqlen_q, tile_m) * planes.shape[0] * planes.shape[1]
+    return KernelLaunch.planned(entry, (min(tiles, target.multiprocessors), 1, 1), dbias, tensors, tensor_maps)

@@ -564,7 +564,12 @@ def test_a_shared_bias_dbias_is_summed_per_tile_or_in_the_main_kernel(monkeypatc
                                                                                "bwd_post"]
         assert total is None and turns is None and main.params.dbias_sum == 0
         assert planes.shape == (1, 2, 64, 64) and planes.dtype == call.q.dtype
-        assert launches[2].grid == (1, 1, 2)  # (key tiles, query tiles, bias slices: its heads)
+        # Persistent: a CTA per dBias tile (key tiles x query tiles x bias slices: its heads), at
+        # most one per SM.
+        assert launches[2].grid == (2, 1, 1)
+        one_sm = dataclasses.replace(fake_target((9, 0)), multiprocessors=1)
+        launches = hopper_family.plan_backward(call, one_sm, Registry(), ScratchSet(call.q.device)).launches
+        assert launches[2].grid == (1, 1, 1)
         return
     assert planes is None and len(launches) == 3 and main.params.dbias_sum == total.data_ptr()
     if deterministic:

@@ -24,7 +24,8 @@ CASES = [
     (1, 2, 2, 200, 300, 128, "top_left", None, {}),  # the hopper forward's second tuning (128 keys)
     (1, 2, 1, 17, 129, 64, None, (1, 1, 1, 129), {}),
     (1, 2, 2, 129, 17, 128, "bottom_right", (1, 2, 129, 17), {}),
-    (2, 3, 1, 150, 200, 128, "top_left", (1, 3, 150, 200), {}),  # dBias shared by batch entries: bwd_dbias
+    # dBias shared by batch entries: bwd_dbias, 144 tiles (CTAs that take two, tiles no row sees)
+    (2, 3, 1, 1500, 200, 128, "top_left", (1, 3, 1500, 200), {}),
     (2, 4, 2, 100, 130, 64, None, (2, 1, 100, 130), {}),  # ... by heads, per batch entry, at d 64: bwd_dbias
     (2, 4, 2, 100, 130, 128, "bottom_right", (2, 1, 100, 130), {}),  # ... at d 128: the main kernel's sum
     (1, 3, 1, 500, 500, 64, "top_left", None, {}),  # 192-row tiles whose warpgroups skip key tiles

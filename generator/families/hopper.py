@@ -8,8 +8,8 @@ split it by keys (tile_n 128, 64 each) or, at d 256 and 192/128, by dK's and dV'
 (bwd_post) reads the main kernel's dQ accumulator in 64-row tiles whose column parts follow the
 head dim alone. The preprocess is the portable family's (bwd_pre). dBias of a bias shared by several
 (batch entry, head) pairs (hopper/bwd_dbias.hpp): a CTA per (tile_m, tile_n) dBias tile of a bias
-slice, its two consumer warpgroups 64 keys each, K, V, Q and dO of each member through `stages`
-buffers. The formulas here are
+slice, at most one CTA per SM walking such tiles, its two consumer warpgroups 64 keys each, K, V,
+Q and dO of each member through `stages` buffers. The formulas here are
 static_asserted by the C++ side (threads, shared-memory bytes), like the portable family's.
 """
 from __future__ import annotations
@@ -96,12 +96,12 @@ class HopperFamily(Family):
 
     @staticmethod
     def _dbias_smem_bytes(d: VariantDescriptor) -> int:
-        """DbiasTraits::SharedStorage: `stages` x (Q, dO, K, V), the bias tile, then two buffers of
-        row stats (LSE, delta) and the barriers (bias, `stages` x full and empty), rounded up to
-        1024 bytes, and the alignment slack."""
+        """DbiasTraits::SharedStorage: `stages` x (Q, dO, K, V), two bias tiles, then two buffers of
+        row stats (LSE, delta) and the barriers (2 x bias full and empty, `stages` x full and
+        empty), rounded up to 1024 bytes, and the alignment slack."""
         elem = ELEMENT_BYTES[d.dtype]
-        tiles = elem * (2 * d.stages * (d.tile_m + d.tile_n) * d.d_qk + d.tile_m * d.tile_n)
-        stats_and_barriers = 2 * 2 * d.tile_m * 4 + 8 * (1 + 2 * d.stages)
+        tiles = elem * (2 * d.stages * (d.tile_m + d.tile_n) * d.d_qk + 2 * d.tile_m * d.tile_n)
+        stats_and_barriers = 2 * 2 * d.tile_m * 4 + 8 * (4 + 2 * d.stages)
         return tiles + -(-stats_and_barriers // 1024) * 1024 + _ALIGN_SLACK
 
     def own_o_buffer(self, d: VariantDescriptor) -> bool:

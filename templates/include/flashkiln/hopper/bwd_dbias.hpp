@@ -8,10 +8,14 @@
 // (dbias_sum) cost one fp32 reduction per member and element (docs/perf.md, v47). The main kernel
 // runs alongside without dBias; this kernel reads its delta (exact where a row's keys are one tile).
 //
-// Roles: warpgroup 0's thread 0 loads the slice's bias tile once, then K, V, Q and dO of each
-// member through a ring of kStages buffers; two consumer warpgroups own 64 keys each (the main
-// kernel's split by keys, bwd_traits.hpp). Dense batches only (a packed batch's tiles at a
-// sequence end hold other sequences' tokens, which the main kernel zeroes in shared memory).
+// Persistent: at most one CTA per SM walks dBias tiles (DbiasSchedule), so that one tile's loads
+// run while the previous one is summed and stored; with few members a tile alone is mostly its
+// loads' latency (docs/perf.md, v48). Roles: warpgroup 0's thread 0 loads each tile's bias tile
+// into one of two buffers, then K, V, Q and dO of each member through a ring of kStages buffers
+// that runs on across tiles; two consumer warpgroups own 64 keys each (the main kernel's split by
+// keys, bwd_traits.hpp) and store the tile through its bias buffer. Dense batches only (a packed
+// batch's tiles at a sequence end hold other sequences' tokens, which the main kernel zeroes in
+// shared memory).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -82,11 +86,12 @@ struct DbiasTraits {
     alignas(1024) Element dout[kStages * kElemsQ];
     alignas(1024) Element k[kStages * kElemsK];
     alignas(1024) Element v[kStages * kElemsK];
-    // The slice's bias tile (rows, keys) in 64-key boxes, as TMA writes it; dBias's tile once the
-    // members are summed.
-    alignas(1024) Element bias[kElemsBias];
+    // Two tiles' bias tiles (rows, keys) in 64-key boxes, as TMA writes them; a tile's dBias once
+    // its members are summed, until its store has read it (bias_empty).
+    alignas(1024) Element bias[2][kElemsBias];
     RowStats stats[2];
-    uint64_t bias_full;
+    uint64_t bias_full[2];
+    uint64_t bias_empty[2];
     uint64_t full[kStages];
     uint64_t empty[kStages];
   };
@@ -118,6 +123,27 @@ __device__ __forceinline__ DbiasMembers dbias_members(HopperBwdParams const& p, 
   return {count, head, over_heads ? 1 : 0, entry, over_entries ? 1 : 0, heads_per, head, entry};
 }
 
+// A CTA's dBias tiles: key tile fastest, then query tile, then bias slice (the CTAs in flight share
+// their members' Q and dO rows in L2), every gridDim.x-th one from the block index on.
+struct DbiasTile {
+  int n_block, m_block;
+  DbiasMembers members;
+};
+
+template <class T>
+struct DbiasSchedule {
+  int tiles_n, tiles_m, total;
+
+  __device__ __forceinline__ explicit DbiasSchedule(HopperBwdParams const& p)
+      : tiles_n(ceil_div(p.seqlen_k, T::kBlockN)), tiles_m(ceil_div(p.seqlen_q, T::kBlockM)) {
+    const int slices = (p.bias_head_step == 0 ? 1 : p.heads_q) * (p.bias_batch_step == 0 ? 1 : p.batch);
+    total = tiles_n * tiles_m * slices;
+  }
+  __device__ __forceinline__ DbiasTile tile(HopperBwdParams const& p, int index) const {
+    return {index % tiles_n, index / tiles_n % tiles_m, dbias_members(p, index / tiles_n / tiles_m)};
+  }
+};
+
 // How many members the CTA sums: every member sees the same tiles (a dense batch), and a tile that
 // no row sees is dBias 0 (none).
 template <class T>
@@ -130,38 +156,48 @@ __device__ __forceinline__ int members_seen(HopperBwdParams const& p, DbiasMembe
 }
 
 template <class T>
-__device__ __forceinline__ void produce_members(HopperBwdParams const& p, typename T::SharedStorage& ss,
-                                                DbiasMembers const& members, int m_block, int n_block) {
+__device__ __forceinline__ void produce_tiles(HopperBwdParams const& p, typename T::SharedStorage& ss) {
   using Element = typename T::Element;
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_q));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_k));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_v));
   cute::prefetch_tma_descriptor(reinterpret_cast<cute::TmaDescriptor const*>(&p.tma_do));
-  const int row = m_block * T::kBlockM, key = n_block * T::kBlockN;
-  TxBarrier::arrive_and_expect_tx(&ss.bias_full, T::kElemsBias * sizeof(Element));
-  CUTE_UNROLL
-  for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
-    tma_load(&p.tma_bias, &ss.bias_full, ss.bias + c * T::kBlockM * T::kBoxCols, key + c * T::kBoxCols, row,
-             members.bias_head, members.bias_entry);
-  }
   const int group = p.heads_q / p.heads_kv;
-  const int count = members_seen<T>(p, members, m_block, n_block);
+  const DbiasSchedule<T> schedule(p);
   PipelineState<T::kStages> st;
-  for (int j = 0; j < count; ++j, st.advance()) {
-    Barrier::wait(&ss.empty[st.stage], st.phase ^ 1);
-    TxBarrier::arrive_and_expect_tx(&ss.full[st.stage], T::kBytesMember);
-    const int head = members.head(j), entry = members.entry(j), head_kv = head / group;
-    CUTE_UNROLL
-    for (int c = 0; c < T::kHeadBoxes; ++c) {
-      const int col = c * T::kHeadBoxCols;
-      tma_load(&p.tma_q, &ss.full[st.stage], ss.q + st.stage * T::kElemsQ + c * T::kBlockM * T::kHeadBoxCols, col,
-               row, head, entry);
-      tma_load(&p.tma_do, &ss.full[st.stage], ss.dout + st.stage * T::kElemsQ + c * T::kBlockM * T::kHeadBoxCols,
-               col, row, head, entry);
-      tma_load(&p.tma_k, &ss.full[st.stage], ss.k + st.stage * T::kElemsK + c * T::kBlockN * T::kHeadBoxCols, col,
-               key, head_kv, entry);
-      tma_load(&p.tma_v, &ss.full[st.stage], ss.v + st.stage * T::kElemsK + c * T::kBlockN * T::kHeadBoxCols, col,
-               key, head_kv, entry);
+  PipelineState<2> bias_st;
+  for (int index = blockIdx.x; index < schedule.total; index += gridDim.x, bias_st.advance()) {
+    const DbiasTile tile = schedule.tile(p, index);
+    const int row = tile.m_block * T::kBlockM, key = tile.n_block * T::kBlockN;
+    const int count = members_seen<T>(p, tile.members, tile.m_block, tile.n_block);
+    uint64_t* const bias_full = &ss.bias_full[bias_st.stage];
+    Barrier::wait(&ss.bias_empty[bias_st.stage], bias_st.phase ^ 1);
+    if (count == 0) {  // a tile no row sees: its dBias is 0 and its bias unread
+      Barrier::arrive(bias_full);
+    } else {
+      TxBarrier::arrive_and_expect_tx(bias_full, T::kElemsBias * sizeof(Element));
+      CUTE_UNROLL
+      for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
+        tma_load(&p.tma_bias, bias_full, ss.bias[bias_st.stage] + c * T::kBlockM * T::kBoxCols, key + c * T::kBoxCols,
+                 row, tile.members.bias_head, tile.members.bias_entry);
+      }
+    }
+    for (int j = 0; j < count; ++j, st.advance()) {
+      Barrier::wait(&ss.empty[st.stage], st.phase ^ 1);
+      TxBarrier::arrive_and_expect_tx(&ss.full[st.stage], T::kBytesMember);
+      const int head = tile.members.head(j), entry = tile.members.entry(j), head_kv = head / group;
+      CUTE_UNROLL
+      for (int c = 0; c < T::kHeadBoxes; ++c) {
+        const int col = c * T::kHeadBoxCols;
+        tma_load(&p.tma_q, &ss.full[st.stage], ss.q + st.stage * T::kElemsQ + c * T::kBlockM * T::kHeadBoxCols, col,
+                 row, head, entry);
+        tma_load(&p.tma_do, &ss.full[st.stage], ss.dout + st.stage * T::kElemsQ + c * T::kBlockM * T::kHeadBoxCols,
+                 col, row, head, entry);
+        tma_load(&p.tma_k, &ss.full[st.stage], ss.k + st.stage * T::kElemsK + c * T::kBlockN * T::kHeadBoxCols, col,
+                 key, head_kv, entry);
+        tma_load(&p.tma_v, &ss.full[st.stage], ss.v + st.stage * T::kElemsK + c * T::kBlockN * T::kHeadBoxCols, col,
+                 key, head_kv, entry);
+      }
     }
   }
 }
@@ -193,10 +229,15 @@ __device__ __forceinline__ void store_member_stat(typename T::RowStats& stats, i
   }
 }
 
+// One dBias tile: its members' dS^T summed, then stored through the tile's bias buffer `bias_st`
+// (released to the producer once the store has read it). `st`: the member ring, across tiles.
 template <class T>
 __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T::SharedStorage& ss,
-                                            DbiasMembers const& members, int thread, int m_block, int n_block) {
+                                            DbiasTile const& tile, int thread, PipelineState<T::kStages>& st,
+                                            PipelineState<2> const& bias_st) {
   using Element = typename T::Element;
+  DbiasMembers const& members = tile.members;
+  const int m_block = tile.m_block, n_block = tile.n_block;
   const int warpgroup = __shfl_sync(0xffffffff, thread / 128, 0);  // warp-uniform (bwd_kernel.hpp's consume)
   typename T::TiledMmaSdP mma;
   auto thr = mma.get_thread_slice(warpgroup * 128 + thread % 128);
@@ -215,14 +256,14 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
   const int count = members_seen<T>(p, members, m_block, n_block);
   const bool masked = row0 + T::kBlockM > p.seqlen_q || needs_mask<T::kBlockM, T::kBlockN>(vis, row0, key0);
   const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores
-  const uint32_t bias_tile = cute::cast_smem_ptr_to_uint(ss.bias);
+  Element* const bias = ss.bias[bias_st.stage];
+  const uint32_t bias_tile = cute::cast_smem_ptr_to_uint(bias);
 
   if (count > 0) {
     store_member_stat<T>(ss.stats[0], thread, member_stat<T>(p, members, 0, row0, thread));
   }
   named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
-  Barrier::wait(&ss.bias_full, 0);
-  PipelineState<T::kStages> st;
+  Barrier::wait(&ss.bias_full[bias_st.stage], bias_st.phase);
   for (int j = 0, buffer = 0; j < count; ++j, buffer ^= 1, st.advance()) {
     const float next = j + 1 < count ? member_stat<T>(p, members, j + 1, row0, thread) : 0.f;
     typename T::RowStats const& stats = ss.stats[buffer];
@@ -233,11 +274,15 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
     wgmma_gemm<true>(mma, tdPrV(_, _, _, st.stage), tdPrdO(_, _, _, st.stage), acc_dp);
     warpgroup_wait<1>();  // S^T
     bias_transposed_into<T::kBlockM, T::kBlockM, false, Element>(acc_s, cS, bias_tile, inv_scale);
+    // The mask's bounds per row are the same for every member: kept in registers across the
+    // members they spill (d 64's window), so they are recomputed per member (an opaque row0).
+    int first_row = row0;
+    asm volatile("" : "+r"(first_row));
     auto lse_log2 = [&](int row) { return stats.lse_log2[row]; };
     if (masked) {
-      exponentiate_transposed<true>(acc_s, cS, vis, row0, key0, p.seqlen_q, p.scale_log2, lse_log2);
+      exponentiate_transposed<true>(acc_s, cS, vis, first_row, key0, p.seqlen_q, p.scale_log2, lse_log2);
     } else {
-      exponentiate_transposed<false>(acc_s, cS, vis, row0, key0, p.seqlen_q, p.scale_log2, lse_log2);
+      exponentiate_transposed<false>(acc_s, cS, vis, first_row, key0, p.seqlen_q, p.scale_log2, lse_log2);
     }
     warpgroup_wait<0>();  // dP^T
     Barrier::arrive(&ss.empty[st.stage]);  // K, V, Q and dO of the stage are read
@@ -251,31 +296,35 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
     named_barrier_sync(kMembersBarrier, T::kConsumerThreads);  // the next stats in, these read
   }
 
-  // The tile, in the bias's type, through the bias tile's buffer (every read of it is done: the
-  // last member's barrier, or none began) to one TMA store per 64-key box, clipped at the plane's
-  // rows and keys.
+  // The tile, in the bias's type, through its bias buffer (every read of it is done: the last
+  // member's barrier, or none began) to one TMA store per 64-key box, clipped at the plane's rows
+  // and keys. The stats are free too: the next tile's first ones go in after this barrier.
   store_rows_of_transposed<T::kBlockM>(convert_fragment<Element>(acc_dbias), cS, bias_tile);
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
   if (thread == 0) {
     CUTE_UNROLL
     for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
-      cute::SM90_TMA_STORE_4D::copy(&p.tma_dbias, ss.bias + c * T::kBlockM * T::kBoxCols, key0 + c * T::kBoxCols,
-                                    row0, members.bias_head, members.bias_entry);
+      cute::SM90_TMA_STORE_4D::copy(&p.tma_dbias, bias + c * T::kBlockM * T::kBoxCols, key0 + c * T::kBoxCols, row0,
+                                    members.bias_head, members.bias_entry);
     }
     cute::tma_store_arrive();
-    cute::tma_store_wait<0>();
+    cute::tma_store_wait<0>();  // its reads of the buffer; the writes complete on their own
+    Barrier::arrive(&ss.bias_empty[bias_st.stage]);
   }
+  __syncwarp();
 }
 
-// Grid (key tiles, query tiles, bias slices).
+// Grid: at most one CTA per SM (DbiasSchedule).
 template <class T>
 __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
   auto& ss = aligned_shared_storage<typename T::SharedStorage>();
-  const int n_block = blockIdx.x, m_block = blockIdx.y;
-  const DbiasMembers members = dbias_members(p, blockIdx.z);
   if (threadIdx.x == 0) {
-    Barrier::init(&ss.bias_full, 1);
+    CUTE_UNROLL
+    for (int b = 0; b < 2; ++b) {
+      Barrier::init(&ss.bias_full[b], 1);
+      Barrier::init(&ss.bias_empty[b], 1);
+    }
     CUTE_UNROLL
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&ss.full[s], 1);
@@ -287,11 +336,16 @@ __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
   if (threadIdx.x < 128) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
-      produce_members<T>(p, ss, members, m_block, n_block);
+      produce_tiles<T>(p, ss);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    sum_members<T>(p, ss, members, threadIdx.x - 128, m_block, n_block);
+    const DbiasSchedule<T> schedule(p);
+    PipelineState<T::kStages> st;
+    PipelineState<2> bias_st;
+    for (int index = blockIdx.x; index < schedule.total; index += gridDim.x, bias_st.advance()) {
+      sum_members<T>(p, ss, schedule.tile(p, index), threadIdx.x - 128, st, bias_st);
+    }
   }
 }
 
