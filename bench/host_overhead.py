@@ -4,7 +4,8 @@ B = 1, H = 1, S = 128, d = 64, bf16: the device work is a few microseconds, so 1
 synchronize at the end measure what the host spends per call (Python, checks, lookups, launches).
 Rows: the forward alone and forward + backward through autograd, per family for flashkiln; the SDPA
 forward on inputs that need no gradient (no autograd.Function); the backward alone, beside torch's
-flash backward op called directly. The rows take turns, one loop of 1000 calls each per round, so
+flash backward op called directly, and with dBias of a bias that two heads share (H = 2: at d 64
+its own kernel, bwd_dbias, a fourth launch). The rows take turns, one loop of 1000 calls each per round, so
 that a slow stretch of a shared host falls on every row alike; each row reports the minimum and the
 median of its rounds' µs per call (the minimum is the least disturbed).
 
@@ -128,6 +129,13 @@ def main() -> None:
     for family in args.families:
         rows.append(Row(f"flashkiln.attention_backward (backend={family})",
                         lambda family=family: flashkiln.attention_backward(dout, q, k, v, out, lse, backend=family)))
+    # A bias that two heads share, with dBias: at d 64 the hopper route adds bwd_dbias's launch.
+    shared = [torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    bias = torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16)
+    shared_out, shared_lse = flashkiln.attention_forward(*shared[:3], bias=bias)
+    rows.append(Row("flashkiln.attention_backward (hopper), a bias shared by 2 heads, with dBias",
+                    lambda: flashkiln.attention_backward(shared[3], *shared[:3], shared_out, shared_lse, bias=bias,
+                                                         bias_grad=True, backend="hopper")))
     rows.append(Row("floor: a Python autograd.Function that only allocates, fwd + bwd", train(_AllocateOnly.apply)))
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         rows.append(Row(f"torch SDPA {name}, forward", lambda: F.scaled_dot_product_attention(q, k, v),
