@@ -125,7 +125,7 @@ DBIAS_KERNEL_HEADS_SHARED_MAX_D = 64
 
 def dbias_kernel(call: BackwardCall, target: Target, registry: KernelRegistry) -> KernelEntry | None:
     """The bwd_dbias kernel that gives dBias of the call's bias shared by several (batch entry,
-    head) pairs, one CTA per dBias tile summing every pair's recomputed dS (hopper/bwd_dbias.hpp):
+    head) pairs, each dBias tile the sum of every pair's recomputed dS (hopper/bwd_dbias.hpp):
     for a dense batch whose bias reduction is SUM, unless heads share its slices above
     DBIAS_KERNEL_HEADS_SHARED_MAX_D, where the variant exists; else None, and the main kernel adds
     the pairs' dS into an fp32 sum."""
