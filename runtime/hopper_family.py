@@ -10,6 +10,8 @@ too: given semaphores it adds dQ in a fixed key-tile order.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import bias as bias_mod
@@ -292,5 +294,18 @@ def _dbias_launch(entry: KernelEntry, call: BackwardCall, params: HopperBwdParam
     dbias.tma_dbias = tma.encode(planes[..., :shape.seqlen_k], tile_m, whole_boxes=False)
     roles = {**{name: role for name, (role, _) in maps.items()}, "tma_bias": "bias", "tma_dbias": bias_mod.TILES}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
-    tiles = ceil_div(shape.seqlen_k, tile_n) * ceil_div(shape.seqlen_q, tile_m) * planes.shape[0] * planes.shape[1]
-    return KernelLaunch.planned(entry, (min(tiles, target.multiprocessors), 1, 1), dbias, tensors, tensor_maps)
+    key_tiles = ceil_div(shape.seqlen_k, tile_n)
+    tiles = key_tiles * ceil_div(shape.seqlen_q, tile_m) * planes.shape[0] * planes.shape[1]
+    return KernelLaunch.planned(entry, (persistent_ctas(tiles, key_tiles, target), 1, 1), dbias, tensors,
+                                tensor_maps)
+
+
+def persistent_ctas(tiles: int, key_tiles: int, target: Target) -> int:
+    """bwd_dbias's CTAs: at most one per SM, and a count prime to the key tiles. Each CTA takes
+    every count-th tile, key tiles fastest, and under a causal mask or a window a tile's work
+    depends on its key tile: with a common factor (132 SMs, 16 key tiles: 4) each CTA would see a
+    quarter of the key tiles, up to 1.2x the mean work at S 2k."""
+    ctas = min(tiles, target.multiprocessors)
+    while math.gcd(ctas, key_tiles) != 1:
+        ctas -= 1
+    return ctas

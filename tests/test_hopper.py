@@ -536,6 +536,19 @@ def test_bwd_dbias_takes_the_shared_biases_it_measured_faster_for(bias_shape, d,
         assert hopper_family.dbias_kernel(other, fake_target((9, 0)), Registry()) is None
 
 
+@pytest.mark.parametrize("tiles, key_tiles, sms, ctas", [
+    (8192, 16, 132, 131),  # a common factor (4) would give each CTA a quarter of the key tiles
+    (8192, 63, 132, 131),
+    (8192, 7, 132, 132),
+    (100, 50, 132, 99),  # fewer tiles than SMs
+    (2, 1, 132, 2),
+    (5, 1, 1, 1),
+])
+def test_bwd_dbias_takes_a_cta_count_prime_to_the_key_tiles(tiles, key_tiles, sms, ctas):
+    target = dataclasses.replace(fake_target((9, 0)), multiprocessors=sms)
+    assert hopper_family.persistent_ctas(tiles, key_tiles, target) == ctas
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("with_dbias_kernel", [False, True])
 def test_a_shared_bias_dbias_is_summed_per_tile_or_in_the_main_kernel(monkeypatch, with_dbias_kernel, deterministic):

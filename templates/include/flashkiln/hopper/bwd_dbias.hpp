@@ -229,15 +229,37 @@ __device__ __forceinline__ void store_member_stat(typename T::RowStats& stats, i
   }
 }
 
-// One dBias tile: its members' dS^T summed, then stored through the tile's bias buffer `bias_st`
-// (released to the producer once the store has read it). `st`: the member ring, across tiles.
+// Stage j's row stats: member j of this tile, or past its last one the next tile's first (whose
+// stats the last member stores, so that the next tile starts without a load's latency).
+template <class T>
+__device__ __forceinline__ float next_member_stat(HopperBwdParams const& p, DbiasTile const& tile, int count,
+                                                  DbiasTile const& next, bool next_seen, int j, int thread) {
+  if (j < count) {
+    return member_stat<T>(p, tile.members, j, tile.m_block * T::kBlockM, thread);
+  }
+  return next_seen ? member_stat<T>(p, next.members, 0, next.m_block * T::kBlockM, thread) : 0.f;
+}
+
+// One dBias tile: its members' dS^T summed, then stored through the tile's bias buffer `bias_st`.
+// `st`: the member ring, across tiles. `buffer`: the row stats' buffer that holds this tile's first
+// member's (stored by the previous tile), then the next tile's. `next`: the CTA's next tile, which
+// `next_seen` when it exists and a member sees it. The previous tile's store is waited for (and its bias buffer released to
+// the producer) once this tile's first GEMMs are issued, or before this tile's own store.
 template <class T>
 __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T::SharedStorage& ss,
-                                            DbiasTile const& tile, int thread, PipelineState<T::kStages>& st,
-                                            PipelineState<2> const& bias_st) {
+                                            DbiasTile const& tile, DbiasTile const& next, bool next_seen, int thread,
+                                            PipelineState<T::kStages>& st, PipelineState<2> const& bias_st,
+                                            int& buffer, bool store_pending) {
   using Element = typename T::Element;
   DbiasMembers const& members = tile.members;
   const int m_block = tile.m_block, n_block = tile.n_block;
+  auto release_previous = [&] {
+    if (thread == 0 && store_pending) {
+      cute::tma_store_wait<0>();  // its reads of the buffer; the writes complete on their own
+      Barrier::arrive(&ss.bias_empty[bias_st.stage ^ 1]);
+      store_pending = false;
+    }
+  };
   const int warpgroup = __shfl_sync(0xffffffff, thread / 128, 0);  // warp-uniform (bwd_kernel.hpp's consume)
   typename T::TiledMmaSdP mma;
   auto thr = mma.get_thread_slice(warpgroup * 128 + thread % 128);
@@ -259,19 +281,19 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
   Element* const bias = ss.bias[bias_st.stage];
   const uint32_t bias_tile = cute::cast_smem_ptr_to_uint(bias);
 
-  if (count > 0) {
-    store_member_stat<T>(ss.stats[0], thread, member_stat<T>(p, members, 0, row0, thread));
+  if (count == 0 && next_seen) {  // the next tile's first stats, into the buffer this one leaves free
+    store_member_stat<T>(ss.stats[buffer], thread, next_member_stat<T>(p, tile, 0, next, true, 0, thread));
   }
-  named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
   Barrier::wait(&ss.bias_full[bias_st.stage], bias_st.phase);
-  for (int j = 0, buffer = 0; j < count; ++j, buffer ^= 1, st.advance()) {
-    const float next = j + 1 < count ? member_stat<T>(p, members, j + 1, row0, thread) : 0.f;
+  for (int j = 0; j < count; ++j, buffer ^= 1, st.advance()) {
+    const float stat = next_member_stat<T>(p, tile, count, next, next_seen, j + 1, thread);
     typename T::RowStats const& stats = ss.stats[buffer];
     Barrier::wait(&ss.full[st.stage], st.phase);
     discard_operand(acc_s);
     discard_operand(acc_dp);
     wgmma_gemm<true>(mma, tSrK(_, _, _, st.stage), tSrQ(_, _, _, st.stage), acc_s);
     wgmma_gemm<true>(mma, tdPrV(_, _, _, st.stage), tdPrdO(_, _, _, st.stage), acc_dp);
+    release_previous();
     warpgroup_wait<1>();  // S^T
     bias_transposed_into<T::kBlockM, T::kBlockM, false, Element>(acc_s, cS, bias_tile, inv_scale);
     // The mask's bounds per row are the same for every member: kept in registers across the
@@ -290,18 +312,19 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
     for (int i = 0; i < size(acc_dp); ++i) {
       acc_dbias(i) = fmaf(acc_s(i), acc_dp(i) - stats.delta[get<1>(cS(i))], acc_dbias(i));
     }
-    if (j + 1 < count) {
-      store_member_stat<T>(ss.stats[buffer ^ 1], thread, next);
+    if (j + 1 < count || next_seen) {
+      store_member_stat<T>(ss.stats[buffer ^ 1], thread, stat);
     }
     named_barrier_sync(kMembersBarrier, T::kConsumerThreads);  // the next stats in, these read
   }
 
   // The tile, in the bias's type, through its bias buffer (every read of it is done: the last
   // member's barrier, or none began) to one TMA store per 64-key box, clipped at the plane's rows
-  // and keys. The stats are free too: the next tile's first ones go in after this barrier.
+  // and keys; the barrier also makes the next tile's first stats visible.
   store_rows_of_transposed<T::kBlockM>(convert_fragment<Element>(acc_dbias), cS, bias_tile);
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
+  release_previous();
   if (thread == 0) {
     CUTE_UNROLL
     for (int c = 0; c < T::kBlockN / T::kBoxCols; ++c) {
@@ -309,8 +332,6 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
                                     members.bias_head, members.bias_entry);
     }
     cute::tma_store_arrive();
-    cute::tma_store_wait<0>();  // its reads of the buffer; the writes complete on their own
-    Barrier::arrive(&ss.bias_empty[bias_st.stage]);
   }
   __syncwarp();
 }
@@ -340,11 +361,30 @@ __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    const int thread = threadIdx.x - 128;
     const DbiasSchedule<T> schedule(p);
     PipelineState<T::kStages> st;
     PipelineState<2> bias_st;
+    int buffer = 0;
+    // The first tile's first stats; each tile then stores its next one's.
+    const auto seen = [&](int index) {
+      const DbiasTile tile = schedule.tile(p, index);
+      return members_seen<T>(p, tile.members, tile.m_block, tile.n_block) > 0;
+    };
+    if (blockIdx.x < schedule.total && seen(blockIdx.x)) {
+      const DbiasTile first = schedule.tile(p, blockIdx.x);
+      store_member_stat<T>(ss.stats[0], thread, member_stat<T>(p, first.members, 0, first.m_block * T::kBlockM, thread));
+    }
+    named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
     for (int index = blockIdx.x; index < schedule.total; index += gridDim.x, bias_st.advance()) {
-      sum_members<T>(p, ss, schedule.tile(p, index), threadIdx.x - 128, st, bias_st);
+      const int following = index + gridDim.x;
+      const DbiasTile next = following < schedule.total ? schedule.tile(p, following) : DbiasTile{};
+      const bool next_seen = following < schedule.total && seen(following);
+      sum_members<T>(p, ss, schedule.tile(p, index), next, next_seen, thread, st, bias_st, buffer,
+                     index != blockIdx.x);
+    }
+    if (thread == 0) {
+      cute::tma_store_wait<0>();  // the last tile's store has read its buffer before the CTA exits
     }
   }
 }
