@@ -1,16 +1,17 @@
 // Hopper dBias of a bias shared by several (batch entry, head) pairs (sm_90a), the kernel
 // bwd_dbias: a bias broadcast over heads or batch entries (not rows nor keys) has as its dBias tile
-// (m, n) the sum of every sharing pair's dS tile. A CTA owns one such tile of one bias slice and
-// loops over the pairs (its members): per member it recomputes S^T = K Q^T and dP^T = V dO^T
+// (m, n) the sum of every sharing pair's dS tile. One CTA sums such a tile of one bias slice over
+// the pairs (its members): per member it recomputes S^T = K Q^T and dP^T = V dO^T
 // (two of the backward's five GEMMs), forms dS^T = P^T (dP^T - delta) and sums it in registers,
 // then stores the tile once in the bias's type. No member adds into memory another one reads,
 // so the sum is deterministic and needs no fp32 plane, where the main kernel's in-place sums
 // (dbias_sum) cost one fp32 reduction per member and element (docs/perf.md, v47). The main kernel
 // runs alongside without dBias; this kernel reads its delta (exact where a row's keys are one tile).
 //
-// Persistent: at most one CTA per SM walks dBias tiles (DbiasSchedule), so that one tile's loads
-// run while the previous one is summed and stored; with few members a tile alone is mostly its
-// loads' latency (docs/perf.md, v48). Roles: warpgroup 0's thread 0 loads each tile's bias tile
+// Persistent: at most one CTA per SM walks dBias tiles (DbiasSchedule; their count prime to the key
+// tiles, runtime/hopper_family.py), so that one tile's loads, its first row stats and the
+// previous tile's store run while another is summed; with few members a tile alone is mostly
+// latency (docs/perf.md, v48-v49). Roles: warpgroup 0's thread 0 loads each tile's bias tile
 // into one of two buffers, then K, V, Q and dO of each member through a ring of kStages buffers
 // that runs on across tiles; two consumer warpgroups own 64 keys each (the main kernel's split by
 // keys, bwd_traits.hpp) and store the tile through its bias buffer. Dense batches only (a packed
