@@ -281,8 +281,8 @@ def plan_backward(call: BackwardCall, target: Target, registry: KernelRegistry,
 def _dbias_launch(entry: KernelEntry, call: BackwardCall, params: HopperBwdParams,
                   tensors: dict[str, torch.Tensor | None], target: Target) -> KernelLaunch:
     """bwd_dbias's launch: the main kernel's parameters with maps for its own tiles, and dBias's
-    (the TILES planes, clipped at S_k) to store into; persistent, at most one CTA per SM for its
-    (key tile, query tile, bias slice) tiles."""
+    (the TILES planes, clipped at S_k) to store into; a CTA per (key tile, query tile, bias slice)
+    tile, or persistent CTAs that walk them (dbias_ctas)."""
     tile_m, tile_n = entry.descriptor["tile_m"], entry.descriptor["tile_n"]
     shape = call.shape
     planes = tensors[bias_mod.TILES]
@@ -295,16 +295,27 @@ def _dbias_launch(entry: KernelEntry, call: BackwardCall, params: HopperBwdParam
     roles = {**{name: role for name, (role, _) in maps.items()}, "tma_bias": "bias", "tma_dbias": bias_mod.TILES}
     tensor_maps = tuple((name, role, tensors[role].data_ptr()) for name, role in roles.items())
     key_tiles = ceil_div(shape.seqlen_k, tile_n)
-    tiles = key_tiles * ceil_div(shape.seqlen_q, tile_m) * planes.shape[0] * planes.shape[1]
-    return KernelLaunch.planned(entry, (persistent_ctas(tiles, key_tiles, target), 1, 1), dbias, tensors,
+    slices = planes.shape[0] * planes.shape[1]
+    tiles = key_tiles * ceil_div(shape.seqlen_q, tile_m) * slices
+    members = shape.batch * call.q.shape[1] // slices
+    return KernelLaunch.planned(entry, (dbias_ctas(tiles, key_tiles, members, target), 1, 1), dbias, tensors,
                                 tensor_maps)
 
 
-def persistent_ctas(tiles: int, key_tiles: int, target: Target) -> int:
-    """bwd_dbias's CTAs: at most one per SM, and a count prime to the key tiles. Each CTA takes
-    every count-th tile, key tiles fastest, and under a causal mask or a window a tile's work
-    depends on its key tile: with a common factor (132 SMs, 16 key tiles: 4) each CTA would see a
-    quarter of the key tiles, up to 1.2x the mean work at S 2k."""
+# Up to this many members per dBias tile bwd_dbias runs persistent CTAs: measured 1.1-1.24x at 2
+# members (S 8k) and 1.0-1.03x at 8 (S 2k), against a CTA per tile; at 32 (a bias shared by 32
+# heads, S 8k, causal) 0.89x, likely the fixed walk's balance of the tiles that no row sees, which
+# the hardware's order of one tile per CTA spreads as CTAs finish (docs/perf.md, v49).
+DBIAS_PERSISTENT_MAX_MEMBERS = 8
+
+
+def dbias_ctas(tiles: int, key_tiles: int, members: int, target: Target) -> int:
+    """bwd_dbias's CTAs, each taking every count-th tile (key tiles fastest): one per tile, or for
+    tiles of few members at most one per SM, a count prime to the key tiles. Under a causal mask
+    or a window a tile's work depends on its key tile: with a common factor (132 SMs, 16 key
+    tiles: 4) each CTA would see a quarter of the key tiles, up to 1.2x the mean work at S 2k."""
+    if members > DBIAS_PERSISTENT_MAX_MEMBERS:
+        return tiles
     ctas = min(tiles, target.multiprocessors)
     while math.gcd(ctas, key_tiles) != 1:
         ctas -= 1

@@ -536,17 +536,19 @@ def test_bwd_dbias_takes_the_shared_biases_it_measured_faster_for(bias_shape, d,
         assert hopper_family.dbias_kernel(other, fake_target((9, 0)), Registry()) is None
 
 
-@pytest.mark.parametrize("tiles, key_tiles, sms, ctas", [
-    (8192, 16, 132, 131),  # a common factor (4) would give each CTA a quarter of the key tiles
-    (8192, 63, 132, 131),
-    (8192, 7, 132, 132),
-    (100, 50, 132, 99),  # fewer tiles than SMs
-    (2, 1, 132, 2),
-    (5, 1, 1, 1),
+@pytest.mark.parametrize("tiles, key_tiles, members, sms, ctas", [
+    (8192, 16, 2, 132, 131),  # a common factor (4) would give each CTA a quarter of the key tiles
+    (8192, 63, 8, 132, 131),
+    (8192, 7, 2, 132, 132),
+    (100, 50, 2, 132, 99),  # fewer tiles than SMs
+    (2, 1, 2, 132, 2),
+    (5, 1, 2, 1, 1),
+    (8192, 64, 32, 132, 8192),  # many members: a CTA per tile
 ])
-def test_bwd_dbias_takes_a_cta_count_prime_to_the_key_tiles(tiles, key_tiles, sms, ctas):
+def test_bwd_dbias_walks_tiles_of_few_members_with_a_cta_count_prime_to_the_key_tiles(tiles, key_tiles, members, sms,
+                                                                                        ctas):
     target = dataclasses.replace(fake_target((9, 0)), multiprocessors=sms)
-    assert hopper_family.persistent_ctas(tiles, key_tiles, target) == ctas
+    assert hopper_family.dbias_ctas(tiles, key_tiles, members, target) == ctas
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

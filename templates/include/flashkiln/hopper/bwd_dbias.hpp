@@ -8,10 +8,10 @@
 // (dbias_sum) cost one fp32 reduction per member and element (docs/perf.md, v47). The main kernel
 // runs alongside without dBias; this kernel reads its delta (exact where a row's keys are one tile).
 //
-// Persistent: at most one CTA per SM walks dBias tiles (DbiasSchedule; their count prime to the key
-// tiles, runtime/hopper_family.py), so that one tile's loads, its first row stats and the
-// previous tile's store run while another is summed; with few members a tile alone is mostly
-// latency (docs/perf.md, v48-v49). Roles: warpgroup 0's thread 0 loads each tile's bias tile
+// A CTA walks every gridDim.x-th dBias tile (DbiasSchedule). Where tiles have few members the grid
+// is persistent (at most one CTA per SM, runtime/hopper_family.py's dbias_ctas), so that one
+// tile's loads, its first row stats and the previous tile's store run while another is summed;
+// with few members a tile alone is mostly latency (docs/perf.md, v48-v49). Roles: warpgroup 0's thread 0 loads each tile's bias tile
 // into one of two buffers, then K, V, Q and dO of each member through a ring of kStages buffers
 // that runs on across tiles; two consumer warpgroups own 64 keys each (the main kernel's split by
 // keys, bwd_traits.hpp) and store the tile through its bias buffer. Dense batches only (a packed
@@ -337,7 +337,7 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
   __syncwarp();
 }
 
-// Grid: at most one CTA per SM (DbiasSchedule).
+// Grid: a CTA per tile, or fewer that walk them (DbiasSchedule).
 template <class T>
 __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
   auto& ss = aligned_shared_storage<typename T::SharedStorage>();
