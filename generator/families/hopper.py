@@ -8,8 +8,8 @@ split it by keys (tile_n 128, 64 each) or, at d 256 and 192/128, by dK's and dV'
 (bwd_post) reads the main kernel's dQ accumulator in 64-row tiles whose column parts follow the
 head dim alone. The preprocess is the portable family's (bwd_pre). dBias of a bias shared by several
 (batch entry, head) pairs (hopper/bwd_dbias.hpp): a CTA per (tile_m, tile_n) dBias tile of a bias
-slice, at most one CTA per SM walking such tiles, its two consumer warpgroups 64 keys each, K, V,
-Q and dO of each member through `stages` buffers. The formulas here are
+slice, CTAs that walk such tiles (persistent, at most one per SM, where tiles have few members),
+its two consumer warpgroups 64 keys each, K, V, Q and dO of each member through `stages` buffers. The formulas here are
 static_asserted by the C++ side (threads, shared-memory bytes), like the portable family's.
 """
 from __future__ import annotations
