@@ -11,12 +11,12 @@
 // A CTA walks every gridDim.x-th dBias tile (DbiasSchedule). Where tiles have few members the grid
 // is persistent (at most one CTA per SM, runtime/hopper_family.py's dbias_ctas), so that one
 // tile's loads, its first row stats and the previous tile's store run while another is summed;
-// with few members a tile alone is mostly latency (docs/perf.md, v48-v49). Roles: warpgroup 0's thread 0 loads each tile's bias tile
-// into one of two buffers, then K, V, Q and dO of each member through a ring of kStages buffers
-// that runs on across tiles; two consumer warpgroups own 64 keys each (the main kernel's split by
-// keys, bwd_traits.hpp) and store the tile through its bias buffer. Dense batches only (a packed
-// batch's tiles at a sequence end hold other sequences' tokens, which the main kernel zeroes in
-// shared memory).
+// with few members a tile alone is mostly latency (docs/perf.md, v48-v49). Roles: warpgroup 0's
+// thread 0 loads each tile's bias tile into one of two buffers, then K, V, Q and dO of each member
+// through a ring of kStages buffers that runs on across tiles; two consumer warpgroups own 64 keys
+// each (the main kernel's split by keys, bwd_traits.hpp) and store the tile through its bias
+// buffer. Dense batches only (a packed batch's tiles at a sequence end hold other sequences'
+// tokens, which the main kernel zeroes in shared memory).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -244,8 +244,9 @@ __device__ __forceinline__ float next_member_stat(HopperBwdParams const& p, Dbia
 // One dBias tile: its members' dS^T summed, then stored through the tile's bias buffer `bias_st`.
 // `st`: the member ring, across tiles. `buffer`: the row stats' buffer that holds this tile's first
 // member's (stored by the previous tile), then the next tile's. `next`: the CTA's next tile, which
-// `next_seen` when it exists and a member sees it. The previous tile's store is waited for (and its bias buffer released to
-// the producer) once this tile's first GEMMs are issued, or before this tile's own store.
+// `next_seen` when it exists and a member sees it. The previous tile's store is waited for (and
+// its bias buffer released to the producer) once this tile's first GEMMs are issued, or before
+// this tile's own store.
 template <class T>
 __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T::SharedStorage& ss,
                                             DbiasTile const& tile, DbiasTile const& next, bool next_seen, int thread,
@@ -374,7 +375,8 @@ __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
     };
     if (blockIdx.x < schedule.total && seen(blockIdx.x)) {
       const DbiasTile first = schedule.tile(p, blockIdx.x);
-      store_member_stat<T>(ss.stats[0], thread, member_stat<T>(p, first.members, 0, first.m_block * T::kBlockM, thread));
+      const float stat = member_stat<T>(p, first.members, 0, first.m_block * T::kBlockM, thread);
+      store_member_stat<T>(ss.stats[0], thread, stat);
     }
     named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
     for (int index = blockIdx.x; index < schedule.total; index += gridDim.x, bias_st.advance()) {
