@@ -261,8 +261,9 @@ def test_a_broadcast_dbias_is_reduced_in_the_kernel(shape, causal, d):
     broadcast over rows, or where bwd_dbias sums it (shared by batch entries or heads at d 64, by
     batch entries alone at d 128; elsewhere the main kernel adds the pairs' dS in any order); both
     match the references. At this shape bwd_dbias's CTAs take several tiles each where a tile has 8
-    members (its persistent grid: "1h" and "b1"), and one each where it has 64 ("11"). At d 256 both consumer warpgroups hold every key (split columns), and a
-    row-broadcast bias's key sums join before one thread adds them."""
+    members (its persistent grid: "1h" and "b1"), and one each where it has 64 ("11"). At d 256
+    both consumer warpgroups hold every key (split columns), and a row-broadcast bias's key sums
+    join before one thread adds them."""
     b, hq, hkv, sq, sk = 8, 8, 2, 1024, 1000
     seed = seed_of("hopper-dbias-reduced", shape, causal, d)
     q, k, v, dout = _tensors(seed, b, hq, hkv, sq, sk, d, torch.bfloat16)

@@ -7,10 +7,11 @@ split it by keys (tile_n 128, 64 each) or, at d 256 and 192/128, by dK's and dV'
 (tile_n 64), Q and dO of tile_m rows streaming through `stages` buffers; its postprocess
 (bwd_post) reads the main kernel's dQ accumulator in 64-row tiles whose column parts follow the
 head dim alone. The preprocess is the portable family's (bwd_pre). dBias of a bias shared by several
-(batch entry, head) pairs (hopper/bwd_dbias.hpp): a CTA per (tile_m, tile_n) dBias tile of a bias
-slice, CTAs that walk such tiles (persistent, at most one per SM, where tiles have few members),
-its two consumer warpgroups 64 keys each, K, V, Q and dO of each member through `stages` buffers. The formulas here are
-static_asserted by the C++ side (threads, shared-memory bytes), like the portable family's.
+(batch entry, head) pairs (hopper/bwd_dbias.hpp): one CTA sums each (tile_m, tile_n) dBias tile of
+a bias slice, and walks several such tiles where tiles have few members (persistent, at most one
+CTA per SM); its two consumer warpgroups take 64 keys each, and K, V, Q and dO of each member
+stream through `stages` buffers. The formulas here are static_asserted by the C++ side (threads,
+shared-memory bytes), like the portable family's.
 """
 from __future__ import annotations
 
