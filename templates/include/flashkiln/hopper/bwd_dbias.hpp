@@ -368,23 +368,23 @@ __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
     PipelineState<T::kStages> st;
     PipelineState<2> bias_st;
     int buffer = 0;
-    // The first tile's first stats; each tile then stores its next one's.
-    const auto seen = [&](int index) {
-      const DbiasTile tile = schedule.tile(p, index);
-      return members_seen<T>(p, tile.members, tile.m_block, tile.n_block) > 0;
+    // The first tile's first stats; each tile then stores its next one's. A tile's coordinates
+    // and whether any member sees it are computed once, as the next tile, then carried.
+    const auto tile_at = [&](int index) { return index < schedule.total ? schedule.tile(p, index) : DbiasTile{}; };
+    const auto seen = [&](int index, DbiasTile const& tile) {
+      return index < schedule.total && members_seen<T>(p, tile.members, tile.m_block, tile.n_block) > 0;
     };
-    if (blockIdx.x < schedule.total && seen(blockIdx.x)) {
-      const DbiasTile first = schedule.tile(p, blockIdx.x);
-      const float stat = member_stat<T>(p, first.members, 0, first.m_block * T::kBlockM, thread);
+    DbiasTile tile = tile_at(blockIdx.x);
+    if (seen(blockIdx.x, tile)) {
+      const float stat = member_stat<T>(p, tile.members, 0, tile.m_block * T::kBlockM, thread);
       store_member_stat<T>(ss.stats[0], thread, stat);
     }
     named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
     for (int index = blockIdx.x; index < schedule.total; index += gridDim.x, bias_st.advance()) {
       const int following = index + gridDim.x;
-      const DbiasTile next = following < schedule.total ? schedule.tile(p, following) : DbiasTile{};
-      const bool next_seen = following < schedule.total && seen(following);
-      sum_members<T>(p, ss, schedule.tile(p, index), next, next_seen, thread, st, bias_st, buffer,
-                     index != blockIdx.x);
+      const DbiasTile next = tile_at(following);
+      sum_members<T>(p, ss, tile, next, seen(following, next), thread, st, bias_st, buffer, index != blockIdx.x);
+      tile = next;
     }
     if (thread == 0) {
       cute::tma_store_wait<0>();  // the last tile's store has read its buffer before the CTA exits
