@@ -369,7 +369,7 @@ __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
     PipelineState<2> bias_st;
     int buffer = 0;
     // The first tile's first stats; each tile then stores its next one's. A tile's coordinates
-    // and whether any member sees it are computed once, as the next tile, then carried.
+    // are computed once, as the next tile, then carried; sum_members counts its members again.
     const auto tile_at = [&](int index) { return index < schedule.total ? schedule.tile(p, index) : DbiasTile{}; };
     const auto seen = [&](int index, DbiasTile const& tile) {
       return index < schedule.total && members_seen<T>(p, tile.members, tile.m_block, tile.n_block) > 0;
