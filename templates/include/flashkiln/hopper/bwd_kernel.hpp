@@ -854,14 +854,17 @@ struct BwdBlock {
 };
 
 // Where the (batch entry, head) pairs that share a bias slice add their dS into one fp32 plane
-// (p.dbias_sum), they run in groups of up to kMembersInner side by side, innermost, then the key
+// (p.dbias_sum), they run in groups of up to members_inner side by side, innermost, then the key
 // tiles, then the next group. In the grid's own order each pair swept the whole plane before the
 // next one started, more than L2 holds, so that the plane went to DRAM and back once per pair
-// (measured 1.2-1.8x slower at S 8k, docs/perf.md v47). Groups of this size leave the CTAs in
-// flight about as many key tiles of a pair as pairs of a key tile, so that Q and dO are still read
-// by several CTAs at once. A pair keeps its key tiles' order, and lower members (dbias_share's)
-// start first, as the deterministic turns need.
-inline constexpr int kMembersInner = 16;
+// (measured 1.2-1.8x slower at S 8k, docs/perf.md v47). But every pair of a group adds into the
+// same tile at the same time, which costs more the longer a pair's tile takes: a bias shared by 16
+// heads, S 8k, not causal, groups of 16 / 8 / 4 / 2 took 8.9 / 8.4 / 8.6 / 10.0 ms at d 128 and
+// 18.1 / 11.4 / 9.7 / 9.6 ms at d 256 (v51; d 64 and 96 follow d 128, d 192/128 d 256, unmeasured).
+// A pair keeps its key tiles' order, and lower members (dbias_share's) start first, as the
+// deterministic turns need.
+template <class T>
+inline constexpr int members_inner = T::kDimQK > 128 ? 4 : 8;
 
 template <class T>
 __device__ __forceinline__ BwdBlock bwd_block(HopperBwdParams const& p) {
@@ -871,8 +874,8 @@ __device__ __forceinline__ BwdBlock bwd_block(HopperBwdParams const& p) {
       const int keys = gridDim.x, heads = gridDim.y, entries = gridDim.z;
       const int members = (over_heads ? heads : 1) * (over_entries ? entries : 1);
       int group = members;
-      if (group > kMembersInner) {
-        group = kMembersInner;
+      if (group > members_inner<T>) {
+        group = members_inner<T>;
         while (members % group != 0) {
           group /= 2;
         }
