@@ -857,12 +857,10 @@ struct BwdBlock {
 // (p.dbias_sum), they run in groups of up to members_inner side by side, innermost, then the key
 // tiles, then the next group. In the grid's own order each pair swept the whole plane before the
 // next one started, more than L2 holds, so that the plane went to DRAM and back once per pair
-// (measured 1.2-1.8x slower at S 8k, docs/perf.md v47). But every pair of a group adds into the
-// same tile at the same time, which costs more the longer a pair's tile takes: a bias shared by 16
-// heads, S 8k, not causal, groups of 16 / 8 / 4 / 2 took 8.9 / 8.4 / 8.6 / 10.0 ms at d 128 and
-// 18.1 / 11.4 / 9.7 / 9.6 ms at d 256 (v51; d 64 and 96 follow d 128, d 192/128 d 256, unmeasured).
-// A pair keeps its key tiles' order, and lower members (dbias_share's) start first, as the
-// deterministic turns need.
+// (docs/perf.md v47). But every pair of a group adds into the same tile at the same time, which
+// costs more the longer a pair's tile takes: groups of 8 measured best up to d_qk 128, groups of
+// 4 above (docs/perf.md v51). A pair keeps its key tiles' order, and lower members
+// (dbias_share's) start first, as the deterministic turns need.
 template <class T>
 inline constexpr int members_inner = T::kDimQK > 128 ? 4 : 8;
 
