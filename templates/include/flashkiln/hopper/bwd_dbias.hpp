@@ -125,10 +125,13 @@ __device__ __forceinline__ DbiasMembers dbias_members(HopperBwdParams const& p, 
 }
 
 // A CTA's dBias tiles: key tile fastest, then query tile, then bias slice (the CTAs in flight share
-// their members' Q and dO rows in L2), every gridDim.x-th one from the block index on.
+// their members' Q and dO rows in L2), every gridDim.x-th one from the block index on. `seen`: how
+// many members the CTA sums, computed once per tile and carried: every member sees the same tiles
+// (a dense batch), and a tile that no row sees, or past the last one, is dBias 0 (none).
 struct DbiasTile {
   int n_block, m_block;
   DbiasMembers members;
+  int seen;
 };
 
 template <class T>
@@ -141,20 +144,16 @@ struct DbiasSchedule {
     total = tiles_n * tiles_m * slices;
   }
   __device__ __forceinline__ DbiasTile tile(HopperBwdParams const& p, int index) const {
-    return {index % tiles_n, index / tiles_n % tiles_m, dbias_members(p, index / tiles_n / tiles_m)};
+    if (index >= total) {
+      return DbiasTile{};
+    }
+    const int n_block = index % tiles_n, m_block = index / tiles_n % tiles_m;
+    const auto vis = visibility<T::kCausal, T::kWindow>(p.seqlen_q, p.seqlen_k, reach_of(p));
+    const TileRange visiting = visiting_query_tiles<T::kBlockM, T::kBlockN>(vis, n_block, tiles_m);
+    const DbiasMembers members = dbias_members(p, index / tiles_n / tiles_m);
+    return {n_block, m_block, members, m_block >= visiting.first && m_block < visiting.end ? members.count : 0};
   }
 };
-
-// How many members the CTA sums: every member sees the same tiles (a dense batch), and a tile that
-// no row sees is dBias 0 (none).
-template <class T>
-__device__ __forceinline__ int members_seen(HopperBwdParams const& p, DbiasMembers const& members, int m_block,
-                                            int n_block) {
-  const auto vis = visibility<T::kCausal, T::kWindow>(p.seqlen_q, p.seqlen_k, reach_of(p));
-  const TileRange visiting =
-      visiting_query_tiles<T::kBlockM, T::kBlockN>(vis, n_block, ceil_div(p.seqlen_q, T::kBlockM));
-  return m_block >= visiting.first && m_block < visiting.end ? members.count : 0;
-}
 
 template <class T>
 __device__ __forceinline__ void produce_tiles(HopperBwdParams const& p, typename T::SharedStorage& ss) {
@@ -170,7 +169,7 @@ __device__ __forceinline__ void produce_tiles(HopperBwdParams const& p, typename
   for (int index = blockIdx.x; index < schedule.total; index += gridDim.x, bias_st.advance()) {
     const DbiasTile tile = schedule.tile(p, index);
     const int row = tile.m_block * T::kBlockM, key = tile.n_block * T::kBlockN;
-    const int count = members_seen<T>(p, tile.members, tile.m_block, tile.n_block);
+    const int count = tile.seen;
     uint64_t* const bias_full = &ss.bias_full[bias_st.stage];
     Barrier::wait(&ss.bias_empty[bias_st.stage], bias_st.phase ^ 1);
     if (count == 0) {  // a tile no row sees: its dBias is 0 and its bias unread
@@ -233,23 +232,22 @@ __device__ __forceinline__ void store_member_stat(typename T::RowStats& stats, i
 // Stage j's row stats: member j of this tile, or past its last one the next tile's first (whose
 // stats the last member stores, so that the next tile starts without a load's latency).
 template <class T>
-__device__ __forceinline__ float next_member_stat(HopperBwdParams const& p, DbiasTile const& tile, int count,
-                                                  DbiasTile const& next, bool next_seen, int j, int thread) {
-  if (j < count) {
+__device__ __forceinline__ float next_member_stat(HopperBwdParams const& p, DbiasTile const& tile,
+                                                  DbiasTile const& next, int j, int thread) {
+  if (j < tile.seen) {
     return member_stat<T>(p, tile.members, j, tile.m_block * T::kBlockM, thread);
   }
-  return next_seen ? member_stat<T>(p, next.members, 0, next.m_block * T::kBlockM, thread) : 0.f;
+  return next.seen > 0 ? member_stat<T>(p, next.members, 0, next.m_block * T::kBlockM, thread) : 0.f;
 }
 
 // One dBias tile: its members' dS^T summed, then stored through the tile's bias buffer `bias_st`.
 // `st`: the member ring, across tiles. `buffer`: the row stats' buffer that holds this tile's first
-// member's (stored by the previous tile), then the next tile's. `next`: the CTA's next tile, which
-// `next_seen` when it exists and a member sees it. The previous tile's store is waited for (and
-// its bias buffer released to the producer) once this tile's first GEMMs are issued, or before
-// this tile's own store.
+// member's (stored by the previous tile), then the next tile's. `next`: the CTA's next tile (none
+// seen past the last). The previous tile's store is waited for (and its bias buffer released to
+// the producer) once this tile's first GEMMs are issued, or before this tile's own store.
 template <class T>
 __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T::SharedStorage& ss,
-                                            DbiasTile const& tile, DbiasTile const& next, bool next_seen, int thread,
+                                            DbiasTile const& tile, DbiasTile const& next, int thread,
                                             PipelineState<T::kStages>& st, PipelineState<2> const& bias_st,
                                             int& buffer, bool store_pending) {
   using Element = typename T::Element;
@@ -277,18 +275,19 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
 
   const int row0 = m_block * T::kBlockM, key0 = n_block * T::kBlockN;
   const auto vis = visibility<T::kCausal, T::kWindow>(p.seqlen_q, p.seqlen_k, reach_of(p));
-  const int count = members_seen<T>(p, members, m_block, n_block);
+  const int count = tile.seen;
+  const bool next_seen = next.seen > 0;
   const bool masked = row0 + T::kBlockM > p.seqlen_q || needs_mask<T::kBlockM, T::kBlockN>(vis, row0, key0);
   const float inv_scale = 1.f / p.scale;  // the bias joins the unscaled scores
   Element* const bias = ss.bias[bias_st.stage];
   const uint32_t bias_tile = cute::cast_smem_ptr_to_uint(bias);
 
   if (count == 0 && next_seen) {  // the next tile's first stats, into the buffer this one leaves free
-    store_member_stat<T>(ss.stats[buffer], thread, next_member_stat<T>(p, tile, 0, next, true, 0, thread));
+    store_member_stat<T>(ss.stats[buffer], thread, next_member_stat<T>(p, tile, next, 0, thread));
   }
   Barrier::wait(&ss.bias_full[bias_st.stage], bias_st.phase);
   for (int j = 0; j < count; ++j, buffer ^= 1, st.advance()) {
-    const float stat = next_member_stat<T>(p, tile, count, next, next_seen, j + 1, thread);
+    const float stat = next_member_stat<T>(p, tile, next, j + 1, thread);
     typename T::RowStats const& stats = ss.stats[buffer];
     Barrier::wait(&ss.full[st.stage], st.phase);
     discard_operand(acc_s);
@@ -368,22 +367,17 @@ __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
     PipelineState<T::kStages> st;
     PipelineState<2> bias_st;
     int buffer = 0;
-    // The first tile's first stats; each tile then stores its next one's. A tile's coordinates
-    // are computed once, as the next tile, then carried; sum_members counts its members again.
-    const auto tile_at = [&](int index) { return index < schedule.total ? schedule.tile(p, index) : DbiasTile{}; };
-    const auto seen = [&](int index, DbiasTile const& tile) {
-      return index < schedule.total && members_seen<T>(p, tile.members, tile.m_block, tile.n_block) > 0;
-    };
-    DbiasTile tile = tile_at(blockIdx.x);
-    if (seen(blockIdx.x, tile)) {
+    // The first tile's first stats; each tile then stores its next one's. A tile is computed
+    // once, as the next tile, then carried.
+    DbiasTile tile = schedule.tile(p, blockIdx.x);
+    if (tile.seen > 0) {
       const float stat = member_stat<T>(p, tile.members, 0, tile.m_block * T::kBlockM, thread);
       store_member_stat<T>(ss.stats[0], thread, stat);
     }
     named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
     for (int index = blockIdx.x; index < schedule.total; index += gridDim.x, bias_st.advance()) {
-      const int following = index + gridDim.x;
-      const DbiasTile next = tile_at(following);
-      sum_members<T>(p, ss, tile, next, seen(following, next), thread, st, bias_st, buffer, index != blockIdx.x);
+      const DbiasTile next = schedule.tile(p, index + gridDim.x);
+      sum_members<T>(p, ss, tile, next, thread, st, bias_st, buffer, index != blockIdx.x);
       tile = next;
     }
     if (thread == 0) {
