@@ -126,8 +126,9 @@ __device__ __forceinline__ DbiasMembers dbias_members(HopperBwdParams const& p, 
 
 // A CTA's dBias tiles: key tile fastest, then query tile, then bias slice (the CTAs in flight share
 // their members' Q and dO rows in L2), every gridDim.x-th one from the block index on. `seen`: how
-// many members the CTA sums, computed once per tile and carried: every member sees the same tiles
-// (a dense batch), and a tile that no row sees, or past the last one, is dBias 0 (none).
+// many members the CTA sums, computed once per tile and carried: all of them, since every member
+// sees the same tiles (a dense batch), or none where no row sees the tile (its dBias is 0) and in
+// the empty tile that DbiasSchedule::tile gives past the last one.
 struct DbiasTile {
   int n_block, m_block;
   DbiasMembers members;
