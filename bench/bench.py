@@ -2,12 +2,11 @@
 
 Standard sweep (shared/CONVENTIONS.md): bf16, H = 2048 / d, B = 16384 / S, S in 512..16k,
 d in {64, 128, 256}, causal off and on; forward and backward. Each timing is the median of
-CUDA-event timings of single calls, after a warm-up of at least 200 ms; before each timed call the
-GPU is kept busy with a sleep kernel (~2.5 ms), so host-side launch overhead overlaps it and only
-device time is measured. FLOPs: forward 4 * B * H * d * (visible (i, j) pairs), exact under the
-causal mask; backward 2.5x that, its time the median of (forward + backward through autograd)
-minus the median forward. That median itself is the "train" table's (3.5x the forward's FLOPs),
-printed wherever backwards are timed.
+CUDA-event timings of single calls; before each timed call the GPU is kept busy with a sleep
+kernel (~2.5 ms), so host-side launch overhead overlaps it and only device time is measured. FLOPs: forward
+4 * B * H * d * (visible (i, j) pairs), exact under the causal mask; backward 2.5x that, its time
+the median of (forward + backward through autograd) minus the median forward. That median itself
+is the "train" table's (3.5x the forward's FLOPs), printed wherever backwards are timed.
 
 Usage (on a GPU machine): tools/pyenv.sh python3 bench/bench.py --out build/bench [--quick]
   [--passes fwd bwd] [--extra-kernel-dir LABEL=DIR ...]  (other generated dirs: forward only)
@@ -31,7 +30,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 from unittest import mock
@@ -109,19 +107,10 @@ assert all(window_visible_pairs(*c) == _brute_window_pairs(*c)
                      for left in (-1, 0, 3, 20) for right in (-1, 0, 2))), "window_visible_pairs: wrong count"
 
 
-WARMUP_MS = 200.0
-
-
 def time_ms(fn: Callable[[], object], warmup: int, reps: int, flush_l2: bool = False) -> float:
-    """Median device time of fn(); with `flush_l2`, a 256 MiB write before each timed call. The
-    warm-up is `warmup` calls and goes on until WARMUP_MS of wall time have passed, each call
-    waited for: a card left idle (a peer's compilation before) can run slower for a while."""
-    deadline = time.perf_counter() + WARMUP_MS / 1e3
-    calls = 0
-    while calls < warmup or time.perf_counter() < deadline:
+    """Median device time of fn(); with `flush_l2`, a 256 MiB write before each timed call."""
+    for _ in range(warmup):
         fn()
-        torch.cuda.synchronize()
-        calls += 1
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
     torch.cuda.synchronize()
     times = []
@@ -410,8 +399,7 @@ def run(args: argparse.Namespace) -> dict:
         "kernel_build": {name: (reg or KernelRegistry()).manifest.build for name, reg in registries.items()},
         "bf16_matmul_tflops": matmul_peak_tflops(),
         "read_TBps": read_bandwidth_tbps(),
-        "method": f"median of CUDA-event timings of single calls after a sleep kernel, after a warm-up of at "
-                  f"least {WARMUP_MS:g} ms; bf16; "
+        "method": "median of CUDA-event timings of single calls after a sleep kernel; bf16; "
                   "H=2048/d, B=max(1, 16384/S); FLOPs 4*B*H*d*visible pairs (backward 2.5x; its time "
                   "median(fwd+bwd) - median(fwd))",
         "rows": rows,
