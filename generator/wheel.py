@@ -55,7 +55,7 @@ def local_label(flavor: str, archs: list[str]) -> str:
 def _stage_pyproject(flavor: str, label: str) -> str:
     quoted = lambda items: ", ".join(f'"{i}"' for i in items)  # noqa: E731
     return f"""[build-system]
-requires = ["setuptools>=69"]
+requires = ["setuptools>=74.1"]
 build-backend = "setuptools.build_meta"
 
 [project]
@@ -75,6 +75,14 @@ include-package-data = false
 [tool.setuptools.package-data]
 flashkiln = ["kernels/*.cubin", "kernels/manifest.json"]
 "flashkiln.generator" = ["templates/**/*", "specs/**/*"]
+
+[[tool.setuptools.ext-modules]]
+name = "flashkiln._launch"
+sources = ["flashkiln/_launch.c"]
+py-limited-api = true
+
+[tool.distutils.bdist_wheel]
+py-limited-api = "cp311"
 """
 
 
@@ -84,7 +92,7 @@ def build_wheel(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or
     flavor = toolchain().cuda_flavor
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")  # the wheel builds its own C module
     with tempfile.TemporaryDirectory(prefix="flashkiln-wheel-") as tmp:
         stage = Path(tmp)
         package = stage / "flashkiln"

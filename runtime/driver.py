@@ -30,6 +30,15 @@ class Driver(Protocol):
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None: ...
 
+    def entry_points(self) -> tuple[int, int] | None:
+        """The addresses of cuLaunchKernel and cuTensorMapReplaceAddress for flashkiln._launch, or
+        None: launch through `launch` and `replace_tensor_map_address`."""
+        ...
+
+    def raise_failure(self, what: str, code: int) -> NoReturn:
+        """Raise for a failed entry point's CUresult `code` (flashkiln._launch reports them)."""
+        ...
+
 
 def _check(result: tuple, what: str) -> Any:
     from cuda.bindings import driver as cu
@@ -48,6 +57,8 @@ def _fail(cu: Any, err: Any, what: str) -> NoReturn:
 
 # A launch's kernelParams: an array of one pointer, to the bytes of its one by-value struct argument.
 _KERNEL_PARAMS = struct.Struct("P")
+# The ABI of the entry points flashkiln._launch calls: CUDA 12.0's (cuTensorMapReplaceAddress's first).
+_ENTRY_POINT_VERSION = 12000
 # CUstream objects kept per raw handle; past this many distinct handles the cache starts over.
 _STREAMS_KEPT = 64
 
@@ -103,6 +114,21 @@ class CudaDriver:
         err = self._cu.cuTensorMapReplaceAddress(self._cu.CUtensorMap(_ptr=tensor_map), address)[0]
         if err != self._success:
             _fail(self._cu, err, "cuTensorMapReplaceAddress")
+
+    def entry_points(self) -> tuple[int, int]:
+        # Legacy default-stream semantics for stream 0, as cuda-bindings' own calls and torch's.
+        flags = self._cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
+        found = []
+        for symbol in (b"cuLaunchKernel", b"cuTensorMapReplaceAddress"):
+            address, _ = _check(self._cu.cuGetProcAddress(symbol, _ENTRY_POINT_VERSION, flags),
+                                f"cuGetProcAddress({symbol.decode()})")
+            if not int(address):
+                raise CudaError(f"the driver has no {symbol.decode()} of CUDA {_ENTRY_POINT_VERSION}")
+            found.append(int(address))
+        return found[0], found[1]
+
+    def raise_failure(self, what: str, code: int) -> NoReturn:
+        _fail(self._cu, self._cu.CUresult(code), what)
 
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None:

@@ -19,6 +19,11 @@ import torch
 from .archs import arch_preference
 from .manifest import KernelEntry
 
+try:
+    from ._launch import Steps as NativeSteps
+except ImportError:  # a source tree whose C module is not built: the launches run from Python
+    NativeSteps = None
+
 if TYPE_CHECKING:  # the registry is handed in by the callers
     from .registry import KernelRegistry
 
@@ -202,6 +207,30 @@ class CallPlan:
         return tuple(steps)
 
 
+    @functools.cached_property
+    def native(self) -> tuple[Any, tuple[str, ...]] | None:
+        """The plan's steps as flashkiln._launch runs them, with the roles whose addresses that run
+        takes, in order; None where the module is not built or the driver offers no entry points."""
+        entry_points = None if NativeSteps is None else self.registry.driver.entry_points()
+        if entry_points is None:
+            return None
+        roles: dict[str, int] = {}
+        items = []
+        for launch, kernel, grid, block, smem_bytes, shared in self.steps:
+            fields = type(launch.params)
+            pointers = []
+            for name in launch.pointers:
+                field = getattr(fields, name)
+                if field.size != ctypes.sizeof(ctypes.c_void_p):
+                    raise TypeError(f"parameter field {name} is not pointer-sized")
+                pointers.append((field.offset, roles.setdefault(name, len(roles))))
+            maps = tuple((offset, roles.setdefault(role, len(roles)), planned)
+                         for offset, role, planned in launch._map_offsets)
+            items.append((int(kernel), grid, block, smem_bytes, bytes(launch.params), tuple(pointers), maps,
+                          -1 if shared is None else shared))
+        return NativeSteps(*entry_points, len(roles), items), tuple(roles)
+
+
 def load_kernels(registry: KernelRegistry, target: Target, launches: tuple[KernelLaunch, ...]) -> tuple[Any, ...]:
     """The launches' kernels, loaded (and configured for the target) when a plan is made."""
     return tuple(registry.load(launch.entry, target.device, target.capability) for launch in launches)
@@ -260,6 +289,14 @@ def run(plan: CallPlan, tensors: Mapping[str, torch.Tensor | int | None]) -> Non
     driver = plan.registry.driver
     stream = _current_stream(device)
     driver.bind_context(device)
+    native = plan.native
+    if native is not None:
+        steps, roles = native
+        failure = steps.run(stream, tuple([_bound_address(tensors[role]) for role in roles]))
+        if failure is not None:
+            what, step, code = failure
+            driver.raise_failure(f"{what} (launch {step} of {len(plan.steps)})", code)
+        return
     replace_address = driver.replace_tensor_map_address
     blocks: list[ctypes.Structure] = []  # each launch's bound block; launches that share a block share its binding
     for launch, kernel, grid, block, smem_bytes, shared in plan.steps:

@@ -38,7 +38,13 @@ class FakeCu(types.SimpleNamespace):
     """What CudaDriver calls of cuda.bindings.driver, recording launches and failing on demand."""
 
     def __init__(self):
-        super().__init__(CUresult=CUresult, launches=[], built=[], error=CUresult.CUDA_SUCCESS)
+        super().__init__(CUresult=CUresult, launches=[], built=[], error=CUresult.CUDA_SUCCESS, asked=[],
+                         procs={b"cuLaunchKernel": 0x7000, b"cuTensorMapReplaceAddress": 0x7100},
+                         CUdriverProcAddress_flags=types.SimpleNamespace(CU_GET_PROC_ADDRESS_LEGACY_STREAM=1))
+
+    def cuGetProcAddress(self, symbol, version, flags):
+        self.asked.append((symbol, version, flags))
+        return CUresult.CUDA_SUCCESS, self.procs.get(symbol, 0), 0
 
     def cuInit(self, flags):
         return (CUresult.CUDA_SUCCESS,)
@@ -98,6 +104,19 @@ def test_a_failed_per_call_driver_call_is_a_cuda_error_named_by_the_driver(fake_
     fake_cu.error = CUresult.CUDA_ERROR_LAUNCH_FAILED
     with pytest.raises(CudaError, match=rf"^{what} failed: CUDA_ERROR_LAUNCH_FAILED \(unspecified launch failure\)$"):
         call(driver)
+
+
+def test_the_native_entry_points_are_the_drivers_for_cuda_12_with_the_legacy_default_stream(fake_cu):
+    assert CudaDriver().entry_points() == (0x7000, 0x7100)
+    assert fake_cu.asked == [(b"cuLaunchKernel", 12000, 1), (b"cuTensorMapReplaceAddress", 12000, 1)]
+    del fake_cu.procs[b"cuTensorMapReplaceAddress"]
+    with pytest.raises(CudaError, match="the driver has no cuTensorMapReplaceAddress of CUDA 12000"):
+        CudaDriver().entry_points()
+
+
+def test_a_failure_the_native_launch_reports_is_a_cuda_error_named_by_the_driver(fake_cu):
+    with pytest.raises(CudaError, match=r"^cuLaunchKernel \(launch 1 of 3\) failed: CUDA_ERROR_LAUNCH_FAILED"):
+        CudaDriver().raise_failure("cuLaunchKernel (launch 1 of 3)", 719)
 
 
 # -- plans on the CPU, with a faked GPU ----------------------------------------------------------

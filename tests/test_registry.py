@@ -51,6 +51,12 @@ class FakeDriver:
     def launch(self, kernel, grid, block, smem_bytes, stream, params) -> None:
         self.calls.append(("launch", kernel, grid, block, smem_bytes, stream, params))
 
+    def entry_points(self) -> None:
+        return None  # launches go through `launch`, which records them
+
+    def raise_failure(self, what: str, code: int):
+        raise AssertionError(f"no entry point of a FakeDriver fails ({what}: {code})")
+
     def named(self, name: str) -> list[tuple]:
         return [c for c in self.calls if c[0] == name]
 

@@ -14,13 +14,19 @@ GPU allocator's. Rows, µs per call (min and median of interleaved rounds of 100
 On the H200's host every row costs several times what it costs here (docs/perf.md): compare
 revisions on one machine, never a row here with one measured there.
 
-Usage: .venv/bin/python tools/host_python.py [--rounds 15] [--calls 1000]
+With --native the plans launch through flashkiln._launch, whose driver entry points are C
+functions that do nothing (built here with `cc`): what is timed is then the native path's Python
+and C work, against the Python loop's without it.
+
+Usage: .venv/bin/python tools/host_python.py [--rounds 15] [--calls 1000] [--native]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,13 +48,40 @@ from test_registry import FakeDriver, descriptor, kernel_entry, write_manifest  
 
 
 class _SilentDriver(FakeDriver):
-    """A FakeDriver that records nothing (a recording one grows for every launch)."""
+    """A FakeDriver that records nothing (a recording one grows for every launch); with entry
+    points, kernels are integer handles and the plans launch through flashkiln._launch."""
+
+    def __init__(self, entry_points: tuple[int, int] | None):
+        super().__init__()
+        self._entry_points = entry_points
+
+    def get_kernel(self, library, symbol: str):
+        return super().get_kernel(library, symbol) if self._entry_points is None else 0x1000
+
+    def entry_points(self) -> tuple[int, int] | None:
+        return self._entry_points
 
     def launch(self, *args) -> None:
         pass
 
     def replace_tensor_map_address(self, *args) -> None:
         pass
+
+
+_NOOP_ENTRY_POINTS = """
+int launch_kernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                  unsigned smem, void* stream, void** params, void** extra) { return 0; }
+int replace_address(void* tensor_map, void* address) { return 0; }
+"""
+
+
+def _noop_entry_points(directory: Path) -> tuple[int, int]:
+    """cuLaunchKernel and cuTensorMapReplaceAddress stand-ins that return CUDA_SUCCESS at once."""
+    (directory / "noop.c").write_text(_NOOP_ENTRY_POINTS)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", str(directory / "noop.c"), "-o", str(directory / "noop.so")],
+                   check=True)
+    library = ctypes.CDLL(str(directory / "noop.so"))
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (library.launch_kernel, library.replace_address))
 
 
 class _Attend(torch.autograd.Function):
@@ -66,7 +99,7 @@ class _Attend(torch.autograd.Function):
         return flashkiln.attention_backward(dout, q, k, v, out, lse)
 
 
-def _fake_gpu(directory: Path) -> KernelRegistry:
+def _fake_gpu(directory: Path, native: bool) -> KernelRegistry:
     """Plans of the portable family for any call, made without checks of the device."""
     torch._C._cuda_getDevice = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 7
@@ -75,7 +108,8 @@ def _fake_gpu(directory: Path) -> KernelRegistry:
             raise SystemExit(f"unset ${name}: it changes the backward's plan")
     variants = [descriptor(d=64)] + [bwd_descriptor(kernel, d=64) for kernel in ("bwd", "bwd_pre", "bwd_post")]
     entries = [kernel_entry(d, params_layout=params_layout(d.kernel).digest) for d in variants]
-    registry = KernelRegistry(write_manifest(directory, entries), driver=_SilentDriver())
+    driver = _SilentDriver(_noop_entry_points(directory) if native else None)
+    registry = KernelRegistry(write_manifest(directory, entries), driver=driver)
     forward.plan_forward = lambda q, k, v, *rest: forward_plan(registry, q, k, v)
     backward.plan_backward = lambda dout, q, k, v, *rest: backward_plan(registry, q, k, v)
     return registry
@@ -101,10 +135,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--native", action="store_true", help="launch through flashkiln._launch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as directory:
-        _fake_gpu(Path(directory))
+        _fake_gpu(Path(directory), args.native)
         q, k, v = qkv(hq=1, hkv=1, s=128, d=64)
         dout = torch.randn_like(q)
         out, lse = flashkiln.attention_forward(q, k, v)
