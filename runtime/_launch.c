@@ -210,6 +210,10 @@ static int Steps_init(Steps* self, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_ValueError, "a null driver entry point");
     return -1;
   }
+  if (nroles < 0) {
+    PyErr_SetString(PyExc_ValueError, "a negative number of roles");
+    return -1;
+  }
   free_steps(self);
   self->launch_kernel = (LaunchKernelFn)launch_address;
   self->replace_address = (ReplaceAddressFn)replace;

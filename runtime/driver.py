@@ -76,6 +76,7 @@ class CudaDriver:
         self._threads = threading.local()
         self._functions: dict[int, Any] = {}  # CUkernel address -> the CUfunction cuLaunchKernel takes
         self._streams: dict[int, Any] = {}  # raw handle -> CUstream: a lookup is cheaper than building one
+        self._entry_points: tuple[int, int] | None = None  # asked for once
         _check(cu.cuInit(0), "cuInit")
 
     def version(self) -> int:
@@ -116,16 +117,18 @@ class CudaDriver:
             _fail(self._cu, err, "cuTensorMapReplaceAddress")
 
     def entry_points(self) -> tuple[int, int]:
-        # Legacy default-stream semantics for stream 0, as cuda-bindings' own calls and torch's.
-        flags = self._cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
-        found = []
-        for symbol in (b"cuLaunchKernel", b"cuTensorMapReplaceAddress"):
-            address, _ = _check(self._cu.cuGetProcAddress(symbol, _ENTRY_POINT_VERSION, flags),
-                                f"cuGetProcAddress({symbol.decode()})")
-            if not int(address):
-                raise CudaError(f"the driver has no {symbol.decode()} of CUDA {_ENTRY_POINT_VERSION}")
-            found.append(int(address))
-        return found[0], found[1]
+        if self._entry_points is None:
+            # Legacy default-stream semantics for stream 0, as cuda-bindings' own calls and torch's.
+            flags = self._cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
+            found = []
+            for symbol in (b"cuLaunchKernel", b"cuTensorMapReplaceAddress"):
+                address, _ = _check(self._cu.cuGetProcAddress(symbol, _ENTRY_POINT_VERSION, flags),
+                                    f"cuGetProcAddress({symbol.decode()})")
+                if not int(address):
+                    raise CudaError(f"the driver has no {symbol.decode()} of CUDA {_ENTRY_POINT_VERSION}")
+                found.append(int(address))
+            self._entry_points = (found[0], found[1])
+        return self._entry_points
 
     def raise_failure(self, what: str, code: int) -> NoReturn:
         _fail(self._cu, self._cu.CUresult(code), what)

@@ -176,3 +176,7 @@ def test_steps_take_one_address_per_role():
     assert steps.run(0, (1, 2)) is None
     with pytest.raises(TypeError, match="one int per role"):
         steps.run(0, (1,))
+    with pytest.raises(ValueError, match="negative"):
+        Steps(1, 1, -1, [])
+    with pytest.raises(ValueError, match="null driver entry point"):
+        Steps(0, 1, 0, [])
