@@ -206,7 +206,6 @@ class CallPlan:
                           None if shared == i else shared))
         return tuple(steps)
 
-
     @functools.cached_property
     def native(self) -> tuple[Any, tuple[str, ...]] | None:
         """The plan's steps as flashkiln._launch runs them, with the roles whose addresses that run
