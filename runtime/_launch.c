@@ -26,7 +26,7 @@ typedef int (*ReplaceAddressFn)(void*, void*);
 
 typedef struct {
   Py_ssize_t offset; /* byte offset in the block */
-  Py_ssize_t role;   /* index into run's addresses */
+  Py_ssize_t role;   /* index into the roles */
   uintptr_t planned; /* tensor maps: the address the block's map was encoded for */
 } Slot;
 
@@ -48,6 +48,8 @@ typedef struct {
   ReplaceAddressFn replace_address;
   Py_ssize_t nsteps, nroles;
   Step* steps;
+  PyObject* roles;    /* a tuple of str: the keys of run's tensors, in slot order */
+  PyObject* data_ptr; /* "data_ptr", the method that gives a tensor's address */
 } Steps;
 
 static void free_steps(Steps* self) {
@@ -60,6 +62,8 @@ static void free_steps(Steps* self) {
   free(self->steps);
   self->steps = NULL;
   self->nsteps = 0;
+  Py_CLEAR(self->roles);
+  Py_CLEAR(self->data_ptr);
 }
 
 static int as_size(PyObject* item, Py_ssize_t* out) {
@@ -190,16 +194,15 @@ static int parse_step(PyObject* item, Py_ssize_t index, Py_ssize_t nroles, Step*
   return 0;
 }
 
-/* Steps(launch_kernel, replace_address, roles, steps): entry point addresses, the number of roles
- * that run's addresses hold, and the steps. */
+/* Steps(launch_kernel, replace_address, roles, steps): entry point addresses, the role names
+ * (the keys of run's tensors; slots index them) and the steps. */
 static int Steps_init(Steps* self, PyObject* args, PyObject* kwargs) {
-  PyObject *launch_kernel, *replace_address, *items;
-  Py_ssize_t nroles;
+  PyObject *launch_kernel, *replace_address, *roles, *items;
   if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
     PyErr_SetString(PyExc_TypeError, "Steps takes positional arguments only");
     return -1;
   }
-  if (!PyArg_ParseTuple(args, "OOnO", &launch_kernel, &replace_address, &nroles, &items)) {
+  if (!PyArg_ParseTuple(args, "OOOO", &launch_kernel, &replace_address, &roles, &items)) {
     return -1;
   }
   uintptr_t launch_address, replace;
@@ -210,22 +213,37 @@ static int Steps_init(Steps* self, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_ValueError, "a null driver entry point");
     return -1;
   }
-  if (nroles < 0) {
-    PyErr_SetString(PyExc_ValueError, "a negative number of roles");
+  if (!PyTuple_Check(roles)) {
+    PyErr_SetString(PyExc_TypeError, "roles: a tuple of str");
     return -1;
+  }
+  const Py_ssize_t nroles = PyTuple_Size(roles);
+  for (Py_ssize_t r = 0; r < nroles; ++r) {
+    if (!PyUnicode_Check(PyTuple_GetItem(roles, r))) {
+      PyErr_SetString(PyExc_TypeError, "roles: a tuple of str");
+      return -1;
+    }
   }
   free_steps(self);
   self->launch_kernel = (LaunchKernelFn)launch_address;
   self->replace_address = (ReplaceAddressFn)replace;
   self->nroles = nroles;
+  self->roles = Py_NewRef(roles);
+  self->data_ptr = PyUnicode_InternFromString("data_ptr");
+  if (self->data_ptr == NULL) {
+    free_steps(self);
+    return -1;
+  }
   PyObject* fast = PySequence_Tuple(items);
   if (fast == NULL) {
+    free_steps(self);
     return -1;
   }
   const Py_ssize_t n = PyTuple_Size(fast);
   self->steps = calloc(n ? (size_t)n : 1, sizeof(Step));
   if (self->steps == NULL) {
     Py_DECREF(fast);
+    free_steps(self);
     PyErr_NoMemory();
     return -1;
   }
@@ -241,6 +259,26 @@ static int Steps_init(Steps* self, PyObject* args, PyObject* kwargs) {
   return 0;
 }
 
+/* A role's address from the call's value for it: an int as it is (a scratch role's address), else
+ * the tensor's data_ptr(), as the Python loop reads it. */
+static int role_address(Steps* self, PyObject* tensors, Py_ssize_t r, uintptr_t* out) {
+  PyObject* role = PyTuple_GetItem(self->roles, r);
+  PyObject* value = PyObject_GetItem(tensors, role);
+  if (value == NULL) {
+    return -1;
+  }
+  int status;
+  if (PyLong_CheckExact(value)) {
+    status = as_pointer(value, out);
+  } else {
+    PyObject* address = PyObject_CallMethodObjArgs(value, self->data_ptr, NULL);
+    status = address == NULL ? -1 : as_pointer(address, out);
+    Py_XDECREF(address);
+  }
+  Py_DECREF(value);
+  return status;
+}
+
 static void Steps_dealloc(Steps* self) {
   free_steps(self);
   PyTypeObject* type = Py_TYPE((PyObject*)self);
@@ -249,25 +287,21 @@ static void Steps_dealloc(Steps* self) {
   Py_DECREF(type);
 }
 
-/* run(stream, addresses): every step bound to `addresses` (one per role) and launched on `stream`,
- * in order. None, or at the first failure (what, step, CUresult) for the caller to raise: the
+/* run(stream, tensors): every step bound to the addresses of `tensors` (a mapping from each role to
+ * its tensor, or to an int address) and launched on `stream`, in order. None, or at the first failure (what, step, CUresult) for the caller to raise: the
  * driver's error names live on the Python side. The blocks are the object's own, reused across
  * calls: the GIL, held throughout, keeps two calls apart, and cuLaunchKernel has read a block
  * when it returns. */
 static PyObject* Steps_run(Steps* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "run(stream, addresses)");
+    PyErr_SetString(PyExc_TypeError, "run(stream, tensors)");
     return NULL;
   }
   uintptr_t stream;
   if (as_pointer(args[0], &stream) < 0) {
     return NULL;
   }
-  PyObject* addresses = args[1];
-  if (!PyTuple_Check(addresses) || PyTuple_Size(addresses) != self->nroles) {
-    PyErr_SetString(PyExc_TypeError, "addresses: a tuple of one int per role");
-    return NULL;
-  }
+  PyObject* tensors = args[1];
   uintptr_t stack[32];
   uintptr_t* values = self->nroles <= 32 ? stack : malloc((size_t)self->nroles * sizeof(uintptr_t));
   if (values == NULL) {
@@ -275,7 +309,7 @@ static PyObject* Steps_run(Steps* self, PyObject* const* args, Py_ssize_t nargs)
   }
   PyObject* result = NULL;
   for (Py_ssize_t r = 0; r < self->nroles; ++r) {
-    if (as_pointer(PyTuple_GetItem(addresses, r), &values[r]) < 0) {
+    if (role_address(self, tensors, r, &values[r]) < 0) {
       goto done;
     }
   }
@@ -319,7 +353,7 @@ done:
 
 static PyMethodDef Steps_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Steps_run, METH_FASTCALL,
-     "run(stream, addresses): bind and launch every step; None, or (what, step, CUresult)"},
+     "run(stream, tensors): bind and launch every step; None, or (what, step, CUresult)"},
     {NULL, NULL, 0, NULL},
 };
 

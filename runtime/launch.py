@@ -207,9 +207,10 @@ class CallPlan:
         return tuple(steps)
 
     @functools.cached_property
-    def native(self) -> tuple[Any, tuple[str, ...]] | None:
-        """The plan's steps as flashkiln._launch runs them, with the roles whose addresses that run
-        takes, in order; None where the module is not built or the driver offers no entry points."""
+    def native(self) -> Any | None:
+        """The plan's steps as flashkiln._launch runs them (it reads each role's address from a
+        call's tensors itself); None where the module is not built or the driver offers no entry
+        points."""
         entry_points = None if NativeSteps is None else self.registry.driver.entry_points()
         if entry_points is None:
             return None
@@ -227,7 +228,7 @@ class CallPlan:
                          for offset, role, planned in launch._map_offsets)
             items.append((int(kernel), grid, block, smem_bytes, bytes(launch.params), tuple(pointers), maps,
                           -1 if shared is None else shared))
-        return NativeSteps(*entry_points, len(roles), items), tuple(roles)
+        return NativeSteps(*entry_points, tuple(roles), items)
 
 
 def load_kernels(registry: KernelRegistry, target: Target, launches: tuple[KernelLaunch, ...]) -> tuple[Any, ...]:
@@ -290,8 +291,7 @@ def run(plan: CallPlan, tensors: Mapping[str, torch.Tensor | int | None]) -> Non
     driver.bind_context(device)
     native = plan.native
     if native is not None:
-        steps, roles = native
-        failure = steps.run(stream, tuple([_bound_address(tensors[role]) for role in roles]))
+        failure = native.run(stream, tensors)
         if failure is not None:
             what, step, code = failure
             driver.raise_failure(f"{what} (launch {step} of {len(plan.steps)})", code)

@@ -168,15 +168,30 @@ def test_a_failed_native_launch_is_raised_by_the_driver_with_the_launch_named(re
 ])
 def test_steps_refuse_a_malformed_plan(step, error):
     with pytest.raises((ValueError, TypeError), match=error):
-        Steps(1, 1, 1, [step])
+        Steps(1, 1, ("q",), [step])
 
 
-def test_steps_take_one_address_per_role():
-    steps = Steps(1, 1, 2, [])
-    assert steps.run(0, (1, 2)) is None
-    with pytest.raises(TypeError, match="one int per role"):
-        steps.run(0, (1,))
-    with pytest.raises(ValueError, match="negative"):
-        Steps(1, 1, -1, [])
+def test_steps_read_each_roles_address_from_the_tensors():
+    """Each slot takes its own role's value: an int as it is, a tensor's data_ptr(); a role the call
+    lacks is the mapping's own error, before any launch."""
+    driver = RecordingDriver(native=True)
+    driver.sizes[7] = 24
+    steps = Steps(*driver.entry_points(), ("a", "b", "c"),
+                  [(7, (1, 1, 1), (1, 1, 1), 0, bytes(24), ((16, 0), (0, 2), (8, 1)), (), -1)])
+    t = torch.randn(3)
+    assert steps.run(0, {"c": t, "a": 0x1234, "b": 0x5678, "other": 1}) is None
+    assert struct.unpack("3Q", driver.launched[0][5]) == (t.data_ptr(), 0x5678, 0x1234)
+    with pytest.raises(KeyError, match="b"):
+        steps.run(0, {"a": 1, "c": t})
+    with pytest.raises(AttributeError, match="data_ptr"):
+        steps.run(0, {"a": 1, "b": None, "c": t})
+    assert len(driver.launched) == 1
+
+
+def test_steps_refuse_bad_roles_and_entry_points():
+    with pytest.raises(TypeError, match="tuple of str"):
+        Steps(1, 1, ["q"], [])
+    with pytest.raises(TypeError, match="tuple of str"):
+        Steps(1, 1, (0,), [])
     with pytest.raises(ValueError, match="null driver entry point"):
-        Steps(0, 1, 0, [])
+        Steps(0, 1, (), [])
