@@ -3,7 +3,8 @@
 Standard sweep (shared/CONVENTIONS.md): bf16, H = 2048 / d, B = 16384 / S, S in 512..16k,
 d in {64, 128, 256}, causal off and on; forward and backward. Each timing is the median of
 CUDA-event timings of single calls; before each timed call the GPU is kept busy with a sleep
-kernel (~2.5 ms), so host-side launch overhead overlaps it and only device time is measured. FLOPs: forward
+kernel (~2.5 ms, grown 4x while the device reaches a call before its host work has ended), so
+host-side launch overhead overlaps it and only device time is measured. FLOPs: forward
 4 * B * H * d * (visible (i, j) pairs), exact under the causal mask; backward 2.5x that, its time
 the median of (forward + backward through autograd) minus the median forward. That median itself
 is the "train" table's (3.5x the forward's FLOPs), printed wherever backwards are timed.
@@ -107,24 +108,49 @@ assert all(window_visible_pairs(*c) == _brute_window_pairs(*c)
                      for left in (-1, 0, 3, 20) for right in (-1, 0, 2))), "window_visible_pairs: wrong count"
 
 
+# The sleep kernel each timed call is queued behind (torch.cuda._sleep's cycles; 5M is about 2.5 ms
+# at the H200's clock): the call's host work hides behind it as long as the host stays behind the
+# sleep. A call that outran it is timed again behind one 4x longer, up to the longest.
+SLEEP_CYCLES = 5_000_000
+MAX_SLEEP_CYCLES = 320_000_000
+
+
 def time_ms(fn: Callable[[], object], warmup: int, reps: int, flush_l2: bool = False) -> float:
     """Median device time of fn(); with `flush_l2`, a 256 MiB write before each timed call."""
     for _ in range(warmup):
         fn()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    sleep = SLEEP_CYCLES
+    while True:
+        times, overtaken = _timed_calls(fn, reps, flush, sleep)
+        if not overtaken or sleep >= MAX_SLEEP_CYCLES:
+            break
+        sleep *= 4
+    if overtaken:
+        print(f"bench: {overtaken} of {reps} timed calls reached the device before their host work ended, "
+              f"even behind a sleep of {sleep} cycles: these timings include host time", file=sys.stderr)
+    return statistics.median(times)
+
+
+def _timed_calls(fn: Callable[[], object], reps: int, flush: torch.Tensor | None,
+                 sleep: int) -> tuple[list[float], int]:
+    """Each call's event-timed milliseconds behind a sleep of `sleep` cycles, and how many calls the
+    device had already begun when fn() returned (their start event complete): those may hold
+    gaps of host time."""
     torch.cuda.synchronize()
-    times = []
+    times, overtaken = [], 0
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if flush is not None:
             flush.zero_()
-        torch.cuda._sleep(5_000_000)  # ~2.5 ms of queued work: host overhead of fn() hides behind it
+        torch.cuda._sleep(sleep)
         start.record()
         fn()
+        overtaken += start.query()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times, overtaken
 
 
 def matmul_peak_tflops() -> float:
