@@ -137,10 +137,13 @@ struct DbiasTile {
 
 template <class T>
 struct DbiasSchedule {
+  Visibility<T::kCausal, T::kWindow> vis;  // the call's, built once per CTA
   int tiles_n, tiles_m, total;
 
   __device__ __forceinline__ explicit DbiasSchedule(HopperBwdParams const& p)
-      : tiles_n(ceil_div(p.seqlen_k, T::kBlockN)), tiles_m(ceil_div(p.seqlen_q, T::kBlockM)) {
+      : vis(visibility<T::kCausal, T::kWindow>(p.seqlen_q, p.seqlen_k, reach_of(p))),
+        tiles_n(ceil_div(p.seqlen_k, T::kBlockN)),
+        tiles_m(ceil_div(p.seqlen_q, T::kBlockM)) {
     const int slices = (p.bias_head_step == 0 ? 1 : p.heads_q) * (p.bias_batch_step == 0 ? 1 : p.batch);
     total = tiles_n * tiles_m * slices;
   }
@@ -149,7 +152,6 @@ struct DbiasSchedule {
       return DbiasTile{};
     }
     const int n_block = index % tiles_n, m_block = index / tiles_n % tiles_m;
-    const auto vis = visibility<T::kCausal, T::kWindow>(p.seqlen_q, p.seqlen_k, reach_of(p));
     const TileRange visiting = visiting_query_tiles<T::kBlockM, T::kBlockN>(vis, n_block, tiles_m);
     const DbiasMembers members = dbias_members(p, index / tiles_n / tiles_m);
     return {n_block, m_block, members, m_block >= visiting.first && m_block < visiting.end ? members.count : 0};
@@ -248,7 +250,8 @@ __device__ __forceinline__ float next_member_stat(HopperBwdParams const& p, Dbia
 // the producer) once this tile's first GEMMs are issued, or before this tile's own store.
 template <class T>
 __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T::SharedStorage& ss,
-                                            DbiasTile const& tile, DbiasTile const& next, int thread,
+                                            Visibility<T::kCausal, T::kWindow> const& vis, DbiasTile const& tile,
+                                            DbiasTile const& next, int thread,
                                             PipelineState<T::kStages>& st, PipelineState<2> const& bias_st,
                                             int& buffer, bool store_pending) {
   using Element = typename T::Element;
@@ -275,7 +278,6 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
   clear(acc_dbias);
 
   const int row0 = m_block * T::kBlockM, key0 = n_block * T::kBlockN;
-  const auto vis = visibility<T::kCausal, T::kWindow>(p.seqlen_q, p.seqlen_k, reach_of(p));
   const int count = tile.seen;
   const bool next_seen = next.seen > 0;
   const bool masked = row0 + T::kBlockM > p.seqlen_q || needs_mask<T::kBlockM, T::kBlockN>(vis, row0, key0);
@@ -378,7 +380,7 @@ __device__ __forceinline__ void bwd_dbias_kernel(HopperBwdParams const& p) {
     named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
     for (int index = blockIdx.x; index < schedule.total; index += gridDim.x, bias_st.advance()) {
       const DbiasTile next = schedule.tile(p, index + gridDim.x);
-      sum_members<T>(p, ss, tile, next, thread, st, bias_st, buffer, index != blockIdx.x);
+      sum_members<T>(p, ss, schedule.vis, tile, next, thread, st, bias_st, buffer, index != blockIdx.x);
       tile = next;
     }
     if (thread == 0) {
