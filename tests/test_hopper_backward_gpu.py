@@ -5,6 +5,7 @@ deterministic mode bitwise reproducible; which family auto takes, and where it f
 from __future__ import annotations
 
 import dataclasses
+import threading
 from functools import partial
 
 import pytest
@@ -167,6 +168,38 @@ def _auto_family(**kw) -> str:
 ])
 def test_auto_takes_hopper_where_it_has_the_call(kw, family):
     assert _auto_family(**kw) == family
+
+
+def test_a_thread_without_a_current_context_plans_the_hopper_family_too():
+    """Autograd runs backwards on threads of its own, where the driver may have no current context
+    until something binds one; planning encodes tensor maps through the driver, so a plan made
+    there must bind it first, not fall back to the portable family (and cache that plan)."""
+    from cuda.bindings import driver as cu
+
+    from flashkiln import tma
+
+    q, k, v, dout = _tensors(5, 1, 4, 4, 333, 333, 64, torch.bfloat16)
+    seen: dict = {}
+
+    def fresh_thread():
+        try:
+            seen["context"] = int(cu.cuCtxGetCurrent()[1])
+            tma._encoded.cache_clear()  # maps encoded earlier on this process's main thread
+            with backward_plans() as plans:
+                out, lse = flashkiln.attention_forward(q, k, v)
+                flashkiln.attention_backward(dout, q, k, v, out, lse)
+            seen["forward"] = flashkiln.forward.PLANS.newest().family
+            seen["backward"] = [plan.family for plan in plans]
+        except BaseException as exc:  # noqa: BLE001 (raised again on the test's thread)
+            seen["error"] = exc
+
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    if "error" in seen:
+        raise seen["error"]
+    assert seen["context"] == 0, "the precondition: a new thread starts without a current context"
+    assert (seen["forward"], seen["backward"]) == ("hopper", ["hopper"])
 
 
 # Without a mask, (1500, 700) and (2048, 2048) stagger the key tiles' sweeps at every head dim (as
