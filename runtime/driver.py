@@ -44,11 +44,12 @@ def _check(result: tuple, what: str) -> Any:
     from cuda.bindings import driver as cu
 
     if result[0] != cu.CUresult.CUDA_SUCCESS:
-        _fail(cu, result[0], what)
+        raise_cuda_error(cu, result[0], what)
     return result[1] if len(result) == 2 else result[1:]
 
 
-def _fail(cu: Any, err: Any, what: str) -> NoReturn:
+def raise_cuda_error(cu: Any, err: Any, what: str) -> NoReturn:
+    """CudaError for the CUresult `err` of driver call `what`, with the driver's name and text for it."""
     _, name = cu.cuGetErrorName(err)
     _, text = cu.cuGetErrorString(err)
     decode = lambda s: s.decode() if isinstance(s, bytes) else str(s)  # noqa: E731
@@ -114,7 +115,7 @@ class CudaDriver:
         `address`, keeping its shape, strides and box: cheaper than encoding it anew."""
         err = self._cu.cuTensorMapReplaceAddress(self._cu.CUtensorMap(_ptr=tensor_map), address)[0]
         if err != self._success:
-            _fail(self._cu, err, "cuTensorMapReplaceAddress")
+            raise_cuda_error(self._cu, err, "cuTensorMapReplaceAddress")
 
     def entry_points(self) -> tuple[int, int]:
         if self._entry_points is None:
@@ -131,7 +132,7 @@ class CudaDriver:
         return self._entry_points
 
     def raise_failure(self, what: str, code: int) -> NoReturn:
-        _fail(self._cu, self._cu.CUresult(code), what)
+        raise_cuda_error(self._cu, self._cu.CUresult(code), what)
 
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int,
                stream: int, params: ctypes.Structure) -> None:
@@ -145,7 +146,7 @@ class CudaDriver:
         err = self._launch_kernel(function, *grid, *block, smem_bytes, handle,
                                   _KERNEL_PARAMS.pack(ctypes.addressof(params)), 0)[0]
         if err != self._success:
-            _fail(self._cu, err, "cuLaunchKernel")
+            raise_cuda_error(self._cu, err, "cuLaunchKernel")
 
     def _stream(self, stream: int) -> Any:
         if len(self._streams) >= _STREAMS_KEPT:

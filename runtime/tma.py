@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .driver import raise_cuda_error
 from .errors import UnsupportedError
 from .params import TmaDescriptor
 
@@ -123,6 +124,10 @@ def _encoded(shape: TensorMapShape, dtype: torch.dtype) -> tuple[int, ...]:
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
-    if err != cu.CUresult.CUDA_SUCCESS:
+    if err == cu.CUresult.CUDA_ERROR_INVALID_VALUE:
+        # A shape, stride or box TMA cannot map: a family that reads through pointers may run the call.
         raise UnsupportedError(f"cuTensorMapEncodeTiled refused {shape}: {err}")
+    if err != cu.CUresult.CUDA_SUCCESS:
+        # Any other failure is the driver's (no context, say), not the call's: raised, never a fallback.
+        raise_cuda_error(cu, err, f"cuTensorMapEncodeTiled of {shape}")
     return tuple(int(w) for w in tensor_map.opaque)

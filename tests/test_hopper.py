@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashkiln.descriptor import VariantDescriptor
-from flashkiln.errors import InvalidInputError, UnsupportedError
+from flashkiln.errors import CudaError, InvalidInputError, UnsupportedError
 from flashkiln.launch import ScratchSet
 from flashkiln.generator.families import FAMILIES
 from flashkiln.generator.render import render
@@ -245,6 +245,24 @@ def test_tensor_map_boxes_are_one_swizzle_atom_of_the_head_dim():
 def test_tensor_map_ignores_strides_of_unit_dims():
     t = torch.empty(1, 1, 100, 64, dtype=torch.bfloat16).as_strided((1, 1, 100, 64), (0, 3, 64, 1))
     assert tma.tensor_map_shape(t, 64).strides == (128, 128 * 100, 128 * 100)
+
+
+@pytest.mark.parametrize("error, raised, message", [
+    ("CUDA_ERROR_INVALID_VALUE", UnsupportedError, "cuTensorMapEncodeTiled refused TensorMapShape"),
+    ("CUDA_ERROR_INVALID_CONTEXT", CudaError, "cuTensorMapEncodeTiled of .* failed: CUDA_ERROR_INVALID_CONTEXT"),
+])
+def test_only_a_map_the_driver_finds_invalid_sends_auto_to_another_family(monkeypatch, error, raised, message):
+    """The driver's refusal of a shape is UnsupportedError (auto tries the next family); any other
+    failure, such as no current context, is the driver's CudaError, never a quiet fallback."""
+    from cuda.bindings import driver as cu
+
+    code = getattr(cu.CUresult, error)
+    monkeypatch.setattr(cu, "cuTensorMapEncodeTiled", lambda *args: (code, None))
+    monkeypatch.setattr(cu, "cuGetErrorName", lambda err: (cu.CUresult.CUDA_SUCCESS, error.encode()))
+    monkeypatch.setattr(cu, "cuGetErrorString", lambda err: (cu.CUresult.CUDA_SUCCESS, b"the driver's text"))
+    tma._encoded.cache_clear()
+    with pytest.raises(raised, match=message):
+        tma.encode(torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16), 64)
 
 
 @pytest.mark.parametrize("make", [
