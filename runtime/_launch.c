@@ -288,10 +288,10 @@ static void Steps_dealloc(Steps* self) {
 }
 
 /* run(stream, tensors): every step bound to the addresses of `tensors` (a mapping from each role to
- * its tensor, or to an int address) and launched on `stream`, in order. None, or at the first failure (what, step, CUresult) for the caller to raise: the
- * driver's error names live on the Python side. The blocks are the object's own, reused across
- * calls: the GIL, held throughout, keeps two calls apart, and cuLaunchKernel has read a block
- * when it returns. */
+ * its tensor, or to an int address) and launched on `stream`, in order. None, or at the first
+ * failure (what, step, CUresult) for the caller to raise: the driver's error names live on the
+ * Python side. The blocks are the object's own, reused across calls: the GIL, held throughout,
+ * keeps two calls apart, and cuLaunchKernel has read a block when it returns. */
 static PyObject* Steps_run(Steps* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "run(stream, tensors)");
