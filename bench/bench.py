@@ -4,7 +4,8 @@ Standard sweep (shared/CONVENTIONS.md): bf16, H = 2048 / d, B = 16384 / S, S in 
 d in {64, 128, 256}, causal off and on; forward and backward. Each timing is the median of
 CUDA-event timings of single calls; before each timed call the GPU is kept busy with a sleep
 kernel (~2.5 ms, grown 4x while the device reaches a call before its host work has ended), so
-host-side launch overhead overlaps it and only device time is measured. FLOPs: forward
+host-side launch overhead overlaps it and only device time is measured; a timing that holds host
+time even behind the longest sleep (a backend that synchronizes) is marked † in the tables. FLOPs: forward
 4 * B * H * d * (visible (i, j) pairs), exact under the causal mask; backward 2.5x that, its time
 the median of (forward + backward through autograd) minus the median forward. That median itself
 is the "train" table's (3.5x the forward's FLOPs), printed wherever backwards are timed.
@@ -115,7 +116,17 @@ SLEEP_CYCLES = 5_000_000
 MAX_SLEEP_CYCLES = 320_000_000
 
 
-def time_ms(fn: Callable[[], object], warmup: int, reps: int, flush_l2: bool = False) -> float:
+class Milliseconds(float):
+    """A timing; `host_bound` where the device reached some timed call before its host work ended,
+    even behind the longest sleep: the value then holds host time, and the tables mark it."""
+
+    def __new__(cls, value: float, host_bound: bool = False) -> "Milliseconds":
+        timing = super().__new__(cls, value)
+        timing.host_bound = host_bound
+        return timing
+
+
+def time_ms(fn: Callable[[], object], warmup: int, reps: int, flush_l2: bool = False) -> Milliseconds:
     """Median device time of fn(); with `flush_l2`, a 256 MiB write before each timed call."""
     for _ in range(warmup):
         fn()
@@ -129,7 +140,7 @@ def time_ms(fn: Callable[[], object], warmup: int, reps: int, flush_l2: bool = F
     if overtaken:
         print(f"bench: {overtaken} of {reps} timed calls reached the device before their host work ended, "
               f"even behind a sleep of {sleep} cycles: these timings include host time", file=sys.stderr)
-    return statistics.median(times)
+    return Milliseconds(statistics.median(times), host_bound=overtaken > 0)
 
 
 def _timed_calls(fn: Callable[[], object], reps: int, flush: torch.Tensor | None,
@@ -317,7 +328,7 @@ def cases_for(d: int, causal: bool, passes: list[str], registries: dict[str, Ker
 
 
 def measure(p: str, attend: Attention, leaves: list[torch.Tensor], dout: torch.Tensor, deterministic: bool,
-            route: str | None, args: argparse.Namespace) -> dict[str, float]:
+            route: str | None, args: argparse.Namespace) -> dict[str, Milliseconds]:
     """Milliseconds per pass: of one forward (p == "fwd"), or of one backward through autograd of
     `attend` on leaves[:3] (the inputs; further leaves, a bias, get gradients too) together with
     "train", the forward and backward through autograd it is measured from (p == "bwd")."""
@@ -326,7 +337,8 @@ def measure(p: str, attend: Attention, leaves: list[torch.Tensor], dout: torch.T
             return {"fwd": time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps)}
     step = with_backward(attend, dout, deterministic, route)
     train = time_ms(lambda: step(leaves), args.warmup, args.reps)
-    return {"bwd": train - time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps), "train": train}
+    forward = time_ms(lambda: attend(*leaves[:3]), args.warmup, args.reps)
+    return {"bwd": Milliseconds(train - forward, train.host_bound or forward.host_bound), "train": train}
 
 
 # FLOPs of each pass in forwards' FLOPs (a backward's five GEMMs to the forward's two).
@@ -350,8 +362,9 @@ def record(rows: list[dict], cases: dict, leaves: list[torch.Tensor], dout: torc
             print(f"  {name} {p} {label}: skipped ({str(exc).splitlines()[0]})", file=sys.stderr)
             continue
         for timed, ms in times.items():
-            rows.append({"backend": name, "pass": timed, **shape, "ms": ms,
+            rows.append({"backend": name, "pass": timed, **shape, "ms": float(ms),
                          "tflops": fwd_flops * PASS_FLOPS[timed] / (ms * 1e-3) / 1e12,
+                         **({"host_bound": True} if ms.host_bound else {}),
                          **({"peak_mib": peaks[name]} if name in peaks else {})})
             print(f"{name:>22} {timed} {label} {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
 
@@ -432,6 +445,19 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+HOST_BOUND_NOTE = ("† holds host time: the device reached these calls before their host work ended, even behind "
+                   "the longest sleep")
+
+
+def rate(r: dict) -> str:
+    """A row's TFLOP/s as the tables print it, marked where its timing holds host time."""
+    return f"{r['tflops']:.0f}" + ("†" if r.get("host_bound") else "")
+
+
+def host_bound_note(rows: list[dict]) -> list[str]:
+    return ["", HOST_BOUND_NOTE] if any(r.get("host_bound") for r in rows) else []
+
+
 def table(result: dict, p: str) -> str:
     rows = [r for r in result["rows"] if r["pass"] == p]
     backends = sorted({r["backend"] for r in rows}, key=lambda n: (not n.startswith("flashkiln"), n))
@@ -444,9 +470,9 @@ def table(result: dict, p: str) -> str:
         text = []
         for b in backends:
             r = cells.get(b)
-            text.append("-" if r is None else f"{r['tflops']:.0f}" + (f" ({r['vs_cudnn']:.2f})" if r["vs_cudnn"] else ""))
+            text.append("-" if r is None else rate(r) + (f" ({r['vs_cudnn']:.2f})" if r["vs_cudnn"] else ""))
         lines.append(f"| {d} | {causal} | {s} | " + " | ".join(text) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + host_bound_note(rows))
 
 
 def window_table(result: dict, p: str) -> str:
@@ -468,10 +494,10 @@ def window_table(result: dict, p: str) -> str:
     for d, causal, s, w in sorted({key[1:] for key in cells if key[4] >= 0}):
         kiln, flex = cells.get(("flashkiln-window", d, causal, s, w)), cells.get(("flex-window", d, causal, s, w))
         full = cells.get(("flashkiln", d, causal, s, -1))
-        rate = [f"{r['tflops']:.0f}" if r else "-" for r in (kiln, full, flex)]
-        lines.append(f"| {d} | {causal} | {s} | {w} | {rate[0]} | {rate[1]} | {ratio(kiln, full)} | {rate[2]} | "
+        rates = [rate(r) if r else "-" for r in (kiln, full, flex)]
+        lines.append(f"| {d} | {causal} | {s} | {w} | {rates[0]} | {rates[1]} | {ratio(kiln, full)} | {rates[2]} | "
                      f"{ratio(kiln, flex)} | {mib(kiln)} | {mib(flex)} | {mib(full)} |")
-    return "\n".join(lines)
+    return "\n".join(lines + host_bound_note(list(cells.values())))
 
 
 def chart(result: dict, p: str, path: Path) -> None:

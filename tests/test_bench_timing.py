@@ -58,7 +58,8 @@ class SimulatedCuda:
 def test_the_device_time_alone_is_read_once_the_host_stays_behind(monkeypatch, capsys, host_ms, sleeps):
     cuda = SimulatedCuda(host_ms, device_ms=1.25)
     monkeypatch.setattr(bench.torch, "cuda", cuda)
-    assert bench.time_ms(lambda: None, warmup=2, reps=3) == 1.25
+    timing = bench.time_ms(lambda: None, warmup=2, reps=3)
+    assert timing == 1.25 and not timing.host_bound
     assert sorted(set(cuda.sleeps)) == sleeps and cuda.sleeps.count(sleeps[-1]) == 3
     assert capsys.readouterr().err == ""
 
@@ -66,6 +67,16 @@ def test_the_device_time_alone_is_read_once_the_host_stays_behind(monkeypatch, c
 def test_a_host_that_outruns_every_sleep_is_reported(monkeypatch, capsys):
     cuda = SimulatedCuda(host_ms=1000.0, device_ms=1.25)
     monkeypatch.setattr(bench.torch, "cuda", cuda)
-    assert bench.time_ms(lambda: None, warmup=0, reps=2) > 800  # host time, as the warning says
+    timing = bench.time_ms(lambda: None, warmup=0, reps=2)
+    assert timing > 800 and timing.host_bound  # host time, as the warning says
     assert max(cuda.sleeps) == bench.MAX_SLEEP_CYCLES
     assert "2 of 2 timed calls" in capsys.readouterr().err
+
+
+def test_the_tables_mark_a_timing_that_holds_host_time():
+    shape = {"d": 64, "causal": False, "seqlen": 2048}
+    rows = [{"backend": "flashkiln", "pass": "bwd", **shape, "tflops": 350.4, "vs_cudnn": None},
+            {"backend": "nested", "pass": "bwd", **shape, "tflops": 79.2, "vs_cudnn": None, "host_bound": True}]
+    text = bench.table({"rows": rows}, "bwd")
+    assert "| 64 | False | 2048 | 350 | 79† |" in text and text.endswith(bench.HOST_BOUND_NOTE)
+    assert "†" not in bench.table({"rows": rows[:1]}, "bwd")
