@@ -222,7 +222,6 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     q, k, v, out, dout = kernel
     call = BackwardCall(dout, q, k, v, out, lse.contiguous(), *grads, causal_mode, scale, deterministic, kernel_bias,
                         bias_grad, packed, dlse, kernel_sink, sink_parts, window, softcap, not partial_keys)
-    registry.driver.bind_context(target.device)  # before the planners encode tensor maps (plan_forward's reason)
     with inputs.kernel_written_allocations():
         family, planned, scratch = families.plan("backward", call, backend, target, registry, q.device)
     log.debug("flashkiln backward: %s family, %s, dq route %s", family, planned.launches[1].entry.name,

@@ -59,6 +59,9 @@ def plan(direction: str, call: Any, backend: str | None, target: Target, registr
          device: torch.device) -> tuple[str, Any, ScratchSet]:
     """(family name, its planner's result, the scratch it took) for `call` in `direction`."""
     check_backend(backend)
+    # The planners encode tensor maps through the driver, which refuses without a current context:
+    # bound first, for a thread where torch made no call that binds one (autograd's).
+    registry.driver.bind_context(target.device)
     if backend is not None:
         family = FAMILIES[backend]
         reason = family.runs_on(target.capability)

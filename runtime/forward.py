@@ -161,9 +161,6 @@ def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str 
     copies = tuple(kt is not t for kt, t in zip(kernel_qkv, (q, k, v)))
     q, k, v = kernel_qkv
     call = ForwardCall(q, k, v, out, lse, causal_mode, scale, kernel_bias, kernel_sink, packed, window, softcap)
-    # The planners encode tensor maps through the driver, which refuses without a current context:
-    # bind it first, for a thread where torch made no call that binds one (launch.run's reason).
-    registry.driver.bind_context(target.device)
     family, launches, scratch = families.plan("forward", call, backend, target, registry, q.device)
     log.debug("flashkiln forward: %s family, %s", family, launches[0].entry.name)
     direct = (all(buffer is None for buffer in given.values()) and packed is None and bias is None and sink is None

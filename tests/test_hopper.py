@@ -18,7 +18,7 @@ from flashkiln.generator.specs import load_variants
 from flashkiln.params import HopperFwdParams, bwd_column_parts, params_layout
 from flashkiln import families, hopper_family, tma
 from flashkiln.bias import prepare_bias
-from test_registry import fake_target
+from test_registry import FakeDriver, fake_target
 
 REPO = Path(__file__).resolve().parent.parent
 HOPPER = FAMILIES["hopper"]
@@ -320,6 +320,8 @@ def test_tile_order_puts_a_broadcast_dim_innermost_where_l2_cannot_hold_the_bias
 # -- family selection (flashkiln.families) ----------------------------------------------------------
 
 class FakeRegistry:
+    driver = FakeDriver()
+
     def __init__(self, has: bool):
         self._has = has
 
