@@ -35,7 +35,9 @@ class BackwardPlan(CallPlan):
     sink_parts: bool  # the main kernel sums p_sink * P * dP (BackwardCall.sink_parts)
     # Calls that need nothing but fresh gradients, scratch and the launches (a dense batch, no bias,
     # sink, padded head dims, layout copies or GQA sums) take run's direct path, which makes the
-    # gradients as (((shape, strides) of dq, dk, dv), dtype, device).
+    # gradients as (((shape, strides) of dq, dk, dv), dtype, device, filled); filled: torch fills
+    # fresh memory (deterministic algorithms were on at planning, which the plan's key holds), so the
+    # allocations skip that fill (inputs.kernel_written_allocations), which costs the host otherwise.
     fresh: tuple | None = None
 
     def run(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -44,17 +46,23 @@ class BackwardPlan(CallPlan):
             dv: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """The call's gradients; its arguments passed the checks its plan was made with."""
         if self.fresh is not None and dq is None and dk is None and dv is None:
-            (dq_layout, dk_layout, dv_layout), dtype, device = self.fresh
-            with inputs.kernel_written_allocations():
-                dq = torch.empty_strided(*dq_layout, dtype=dtype, device=device)
-                dk = torch.empty_strided(*dk_layout, dtype=dtype, device=device)
-                dv = torch.empty_strided(*dv_layout, dtype=dtype, device=device)
-                block = self.scratch_block.allocate(device)
+            if self.fresh[-1]:
+                with inputs.kernel_written_allocations():
+                    dq, dk, dv, block = self._fresh_buffers()
+            else:
+                dq, dk, dv, block = self._fresh_buffers()
             dlse = None if dlse is None else dlse.contiguous()
             run(self, {**backward_tensors(q, k, v, out, dout, lse.contiguous(), dq, dk, dv, dlse, None, None, None),
                        **self.scratch_block.addresses(block)})
             return dq, dk, dv
         return self._run(dout, q, k, v, out, lse, dlse, bias, sink, packed, dq, dk, dv)
+
+    def _fresh_buffers(self) -> tuple[torch.Tensor, ...]:
+        """run's direct path: fresh dq, dk, dv and the scratch block."""
+        (dq_layout, dk_layout, dv_layout), dtype, device, _ = self.fresh
+        return (torch.empty_strided(*dq_layout, dtype=dtype, device=device),
+                torch.empty_strided(*dk_layout, dtype=dtype, device=device),
+                torch.empty_strided(*dv_layout, dtype=dtype, device=device), self.scratch_block.allocate(device))
 
     def _run(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dlse: torch.Tensor | None, bias: torch.Tensor | None, sink: torch.Tensor | None,
@@ -236,7 +244,8 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 def fresh_gradients(grads: tuple[torch.Tensor, ...]) -> tuple:
     """BackwardPlan.fresh: how the direct path makes gradients like the planning call's dq, dk, dv."""
-    return tuple((tuple(t.shape), t.stride()) for t in grads), grads[0].dtype, grads[0].device
+    return (tuple((tuple(t.shape), t.stride()) for t in grads), grads[0].dtype, grads[0].device,
+            torch.are_deterministic_algorithms_enabled())
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

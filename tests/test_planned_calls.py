@@ -322,6 +322,43 @@ def test_the_straight_backward_launches_what_the_full_path_does(registry, fake_g
     assert_same_roles(runs[0], runs[1], outputs=("dq", "dk", "dv"), plan=plan)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_straight_backward_allocates_without_torchs_deterministic_fill(registry, fake_gpu, monkeypatch,
+                                                                             deterministic):
+    """Under deterministic algorithms torch fills fresh memory with NaN (a memset per buffer); the
+    kernels write the gradients and scratch in full, so the straight path allocates them with the
+    fill off. A plan made without deterministic algorithms (its key says so) skips the switch."""
+    q, k, v = qkv()
+    dout, out, lse = backward_arguments(q)
+    fills = []
+    real_empty_strided, real_empty = torch.empty_strided, torch.empty
+
+    def noting(allocate):
+        return lambda *a, **kw: fills.append(torch.utils.deterministic.fill_uninitialized_memory) or allocate(*a, **kw)
+
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    with _deterministic_algorithms(deterministic):
+        plan = backward_plan(registry, q, k, v)
+        monkeypatch.setattr(torch, "empty_strided", noting(real_empty_strided))
+        monkeypatch.setattr(torch, "empty", noting(real_empty))
+        plan.run(dout, q, k, v, out, lse, None, None, None, None, None, None, None)
+    assert len(fills) == 4  # dq, dk, dv and the scratch block
+    assert fills == [not deterministic] * 4
+    assert torch.utils.deterministic.fill_uninitialized_memory is True
+
+
+class _deterministic_algorithms:  # noqa: N801 (a context manager)
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self) -> None:
+        self.before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(self.on)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.use_deterministic_algorithms(self.before)
+
+
 @pytest.mark.parametrize("case", ["no fresh gradients", "buffers"])
 def test_backward_calls_that_need_more_than_the_launches_take_the_full_path(registry, monkeypatch, case):
     """plan_backward gives fresh gradients only to dense calls without bias, sink, padded head dims,
