@@ -198,6 +198,9 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *optional = ctx.saved_tensors
         call: _EagerCall = ctx.call
+        if not optional:  # a dense call without bias or sink: three gradients, then the call's None
+            return None, *attention_backward(dout, q, k, v, out, lse, deterministic=call.deterministic,
+                                             **call.scores)
         bias, sink, packed = call.split(optional)
         wanted = ctx.needs_input_grad[4:4 + call.has_bias + call.has_sink]  # bias's, then sink's
         bias_grad = call.has_bias and wanted[0]
@@ -231,17 +234,18 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional
     if torch.compiler.is_compiling():
         return attention_forward_op(*_op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings))[0]
     call = _EagerCall(settings, bias is not None, sink is not None)
-    optional = tuple(t for t in (bias, sink, cu_seqlens_q, cu_seqlens_k) if t is not None)
-    if not (torch.is_grad_enabled() and _any_requires_grad(q, k, v, bias, sink)):
+    if bias is None and sink is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        optional = ()
+    else:
+        optional = tuple(t for t in (bias, sink, cu_seqlens_q, cu_seqlens_k) if t is not None)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (bias is not None and bias.requires_grad)
+                                         or (sink is not None and sink.requires_grad))):
         # Nothing to differentiate (inference, evaluation): the forward alone, without autograd's
         # Function machinery, which costs about as much host time as the forward itself.
         bias, sink, packed = call.split(optional)
         return attention_forward(q, k, v, bias=bias, sink=sink, packed=packed, **call.scores)[0]
     return _EagerAttention.apply(call, q, k, v, *optional)
-
-
-def _any_requires_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

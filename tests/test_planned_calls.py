@@ -409,6 +409,33 @@ def test_the_eager_sdpa_passes_the_call_through_and_routes_each_gradient(monkeyp
     assert (bias.grad is not None and bias.grad.unique().tolist() == [4.0]) if bias_grad else bias.grad is None
 
 
+def test_the_eager_sdpa_without_bias_or_sink_passes_the_call_through(monkeypatch):
+    """The dense call's backward (no optional tensors saved) takes the same settings and routes
+    dq, dk, dv to q, k, v."""
+    seen = {}
+
+    def fake_forward(q, k, v, **kwargs):
+        seen["forward"] = kwargs
+        return torch.zeros_like(q), torch.zeros(q.shape[:3])
+
+    def fake_backward(dout, q, k, v, out, lse, **kwargs):
+        seen["backward"] = kwargs
+        return tuple(torch.full_like(t, float(i)) for i, t in enumerate((q, k, v), start=1))
+
+    monkeypatch.setattr(ops, "attention_forward", fake_forward)
+    monkeypatch.setattr(ops, "attention_backward", fake_backward)
+    q, k, v = (t.requires_grad_() for t in qkv(s=8))
+    out = ops.scaled_dot_product_attention(q, k, v, is_causal=True, window_size=(4, 0), softcap=5.0, scale=0.5,
+                                           deterministic=False)
+    out.backward(torch.ones_like(out))
+    given = dict(causal="top_left", window_size=(4, 0), softcap=5.0, scale=0.5)
+    assert {name: seen["forward"][name] for name in given} == given
+    assert {name: seen["backward"][name] for name in given} == given
+    assert seen["backward"]["deterministic"] is False
+    assert not {"bias", "sink", "bias_grad", "sink_grad", "dlse"} & {k for k, v in seen["backward"].items() if v}
+    assert [t.grad.unique().tolist() for t in (q, k, v)] == [[1.0], [2.0], [3.0]]
+
+
 @pytest.mark.parametrize("bias_grad, with_sink", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_eager_varlen_attention_routes_each_gradient_past_the_offsets(monkeypatch, bias_grad, with_sink):
     seen = {}
