@@ -377,8 +377,10 @@ def test_backward_calls_that_need_more_than_the_launches_take_the_full_path(regi
 
 # -- the eager autograd.Function and the compiled custom op -------------------------------------
 
-@pytest.mark.parametrize("bias_grad", [False, True])
-def test_the_eager_sdpa_passes_the_call_through_and_routes_each_gradient(monkeypatch, bias_grad):
+def recorded_eager_calls(monkeypatch) -> dict:
+    """Fakes of attention_forward and attention_backward under the eager ops, which record their
+    keyword arguments in the returned dict ("forward", "backward"); the backward's gradients are
+    1, 2 and 3 for q, k and v, then 4 for dbias and 5 for dsink where the call asks for them."""
     seen = {}
 
     def fake_forward(q, k, v, **kwargs):
@@ -388,11 +390,18 @@ def test_the_eager_sdpa_passes_the_call_through_and_routes_each_gradient(monkeyp
     def fake_backward(dout, q, k, v, out, lse, **kwargs):
         seen["backward"] = kwargs
         grads = tuple(torch.full_like(t, float(i)) for i, t in enumerate((q, k, v), start=1))
-        extra = (torch.full_like(kwargs["bias"], 4.0),) if kwargs["bias_grad"] else ()
-        return (*grads, *extra, torch.full_like(kwargs["sink"], 5.0))
+        extra = (torch.full_like(kwargs["bias"], 4.0),) if kwargs.get("bias_grad") else ()
+        extra += (torch.full_like(kwargs["sink"], 5.0),) if kwargs.get("sink_grad") else ()
+        return (*grads, *extra)
 
     monkeypatch.setattr(ops, "attention_forward", fake_forward)
     monkeypatch.setattr(ops, "attention_backward", fake_backward)
+    return seen
+
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_the_eager_sdpa_passes_the_call_through_and_routes_each_gradient(monkeypatch, bias_grad):
+    seen = recorded_eager_calls(monkeypatch)
     q, k, v = (t.requires_grad_() for t in qkv(s=8))
     bias = torch.zeros(8, 8, dtype=q.dtype, requires_grad=bias_grad)
     sink = torch.zeros(2, requires_grad=True)
@@ -412,18 +421,7 @@ def test_the_eager_sdpa_passes_the_call_through_and_routes_each_gradient(monkeyp
 def test_the_eager_sdpa_without_bias_or_sink_passes_the_call_through(monkeypatch):
     """The dense call's backward (no optional tensors saved) takes the same settings and routes
     dq, dk, dv to q, k, v."""
-    seen = {}
-
-    def fake_forward(q, k, v, **kwargs):
-        seen["forward"] = kwargs
-        return torch.zeros_like(q), torch.zeros(q.shape[:3])
-
-    def fake_backward(dout, q, k, v, out, lse, **kwargs):
-        seen["backward"] = kwargs
-        return tuple(torch.full_like(t, float(i)) for i, t in enumerate((q, k, v), start=1))
-
-    monkeypatch.setattr(ops, "attention_forward", fake_forward)
-    monkeypatch.setattr(ops, "attention_backward", fake_backward)
+    seen = recorded_eager_calls(monkeypatch)
     q, k, v = (t.requires_grad_() for t in qkv(s=8))
     out = ops.scaled_dot_product_attention(q, k, v, is_causal=True, window_size=(4, 0), softcap=5.0, scale=0.5,
                                            deterministic=False)
