@@ -35,9 +35,10 @@ class BackwardPlan(CallPlan):
     sink_parts: bool  # the main kernel sums p_sink * P * dP (BackwardCall.sink_parts)
     # Calls that need nothing but fresh gradients, scratch and the launches (a dense batch, no bias,
     # sink, padded head dims, layout copies or GQA sums) take run's direct path, which makes the
-    # gradients as (((shape, strides) of dq, dk, dv), dtype, device, filled); filled: torch fills
-    # fresh memory (deterministic algorithms were on at planning, which the plan's key holds), so the
-    # allocations skip that fill (inputs.kernel_written_allocations), which costs the host otherwise.
+    # gradients as (((shape, strides) of dq, dk, dv), dtype, device, filled). filled: deterministic
+    # algorithms were on at planning (the plan's key holds the flag), so torch would fill fresh
+    # memory; only then do the allocations switch the fill off (inputs.kernel_written_allocations),
+    # since the switch itself costs host time.
     fresh: tuple | None = None
 
     def run(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
