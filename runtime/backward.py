@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, NamedTuple
 
 import torch
 
@@ -22,6 +22,18 @@ log = logging.getLogger("flashkiln")
 PLANS = PlanCache()
 
 
+class FreshGradients(NamedTuple):
+    """How run's direct path makes gradients like the planning call's dq, dk, dv."""
+
+    layouts: tuple  # (shape, strides) of dq, dk, dv
+    dtype: torch.dtype
+    device: torch.device
+    # Deterministic algorithms were on at planning (the plan's key holds the flag), so torch would
+    # fill fresh memory: only then do the allocations switch the fill off
+    # (inputs.kernel_written_allocations), since the switch itself costs host time.
+    filled: bool
+
+
 @dataclass(frozen=True)
 class BackwardPlan(CallPlan):
     """A backward call's plan (family None: no query row or no key)."""
@@ -34,12 +46,8 @@ class BackwardPlan(CallPlan):
     sink_grad: bool
     sink_parts: bool  # the main kernel sums p_sink * P * dP (BackwardCall.sink_parts)
     # Calls that need nothing but fresh gradients, scratch and the launches (a dense batch, no bias,
-    # sink, padded head dims, layout copies or GQA sums) take run's direct path, which makes the
-    # gradients as (((shape, strides) of dq, dk, dv), dtype, device, filled). filled: deterministic
-    # algorithms were on at planning (the plan's key holds the flag), so torch would fill fresh
-    # memory; only then do the allocations switch the fill off (inputs.kernel_written_allocations),
-    # since the switch itself costs host time.
-    fresh: tuple | None = None
+    # sink, padded head dims, layout copies or GQA sums) take run's direct path.
+    fresh: FreshGradients | None = None
 
     def run(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, dlse: torch.Tensor | None, bias: torch.Tensor | None, sink: torch.Tensor | None,
@@ -47,7 +55,7 @@ class BackwardPlan(CallPlan):
             dv: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """The call's gradients; its arguments passed the checks its plan was made with."""
         if self.fresh is not None and dq is None and dk is None and dv is None:
-            if self.fresh[-1]:
+            if self.fresh.filled:
                 with inputs.kernel_written_allocations():
                     dq, dk, dv, block = self._fresh_buffers()
             else:
@@ -243,10 +251,10 @@ def plan_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                         fresh=fresh_gradients(grads) if direct else None, **plan)
 
 
-def fresh_gradients(grads: tuple[torch.Tensor, ...]) -> tuple:
+def fresh_gradients(grads: tuple[torch.Tensor, ...]) -> FreshGradients:
     """BackwardPlan.fresh: how the direct path makes gradients like the planning call's dq, dk, dv."""
-    return (tuple((tuple(t.shape), t.stride()) for t in grads), grads[0].dtype, grads[0].device,
-            torch.are_deterministic_algorithms_enabled())
+    return FreshGradients(tuple((tuple(t.shape), t.stride()) for t in grads), grads[0].dtype, grads[0].device,
+                          torch.are_deterministic_algorithms_enabled())
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
