@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, NamedTuple
 
 import torch
 
@@ -21,34 +21,54 @@ log = logging.getLogger("flashkiln")
 PLANS = PlanCache()
 
 
+class FreshOutputs(NamedTuple):
+    """How run's direct path makes outputs like the planning call's out and lse."""
+
+    out_layout: tuple | None  # (shape, strides), None where out is a view of a permuted buffer
+    lse_layout: tuple
+    dtype: torch.dtype
+    device: torch.device
+    # Deterministic algorithms were on at planning (the plan's key holds the flag): only then do
+    # the allocations switch torch's fill off (inputs.kernel_written_allocations).
+    filled: bool
+
+
 @dataclass(frozen=True)
 class ForwardPlan(CallPlan):
     """A forward call's plan (family None: no query row)."""
 
     copies: tuple[bool, bool, bool]  # q, k, v need a copy in the kernels' layout
     # Calls that need nothing but fresh outputs, scratch and the launches (a dense batch, no bias,
-    # sink, padded head dims or layout copies) take run's direct path, which makes the outputs as
-    # (out's (shape, strides), None where out is a view of a permuted buffer; lse's; dtype; device).
-    fresh: tuple | None = None
+    # sink, padded head dims or layout copies) take run's direct path.
+    fresh: FreshOutputs | None = None
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
             sink: torch.Tensor | None, packed: PackedBatch | None, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The call's outputs; its arguments passed the checks its plan was made with."""
         if self.fresh is not None and out is None and lse is None:
-            out_layout, lse_layout, dtype, device = self.fresh
-            if out_layout is None:
-                out = inputs.empty_in_memory_order(q, v.shape[3])
+            if self.fresh.filled:
+                with inputs.kernel_written_allocations():
+                    out, lse, block = self._fresh_buffers(q, v)
             else:
-                out = torch.empty_strided(*out_layout, dtype=dtype, device=device)
-            lse = torch.empty_strided(*lse_layout, dtype=torch.float32, device=device)
+                out, lse, block = self._fresh_buffers(q, v)
             tensors = forward_tensors(q, k, v, out, lse, None, None, None)
-            if self.scratch:
-                block = self.scratch_block.allocate(device)
+            if block is not None:
                 tensors.update(self.scratch_block.addresses(block))
             run(self, tensors)
             return out, lse
         return self._run(q, k, v, bias, sink, packed, out, lse)
+
+    def _fresh_buffers(self, q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor | None]:
+        """run's direct path: fresh out and lse, and the scratch block (None without scratch)."""
+        out_layout, lse_layout, dtype, device, _ = self.fresh
+        if out_layout is None:
+            out = inputs.empty_in_memory_order(q, v.shape[3])
+        else:
+            out = torch.empty_strided(*out_layout, dtype=dtype, device=device)
+        lse = torch.empty_strided(*lse_layout, dtype=torch.float32, device=device)
+        return out, lse, self.scratch_block.allocate(device) if self.scratch else None
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
              sink: torch.Tensor | None, packed: PackedBatch | None, out: torch.Tensor | None,
@@ -61,10 +81,11 @@ class ForwardPlan(CallPlan):
         b, hq, sq, _ = q.shape
         d_v = v.shape[3]
         given_out, given_lse = out, lse
-        if out is None:
-            out = inputs.empty_in_memory_order(q, d_v)
-        if lse is None:
-            lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+        with inputs.kernel_written_allocations():  # (a packed batch's are filled outside its sequences)
+            if out is None:
+                out = inputs.empty_in_memory_order(q, d_v)
+            if lse is None:
+                lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
         if packed is not None:
             _fill_outside_sequences(packed, sq, (out, given_out, 0.0), (lse, given_lse, float("-inf")))
         if self.family is not None:
@@ -88,10 +109,11 @@ class ForwardPlan(CallPlan):
         return out, lse
 
 
-def fresh_outputs(out: torch.Tensor, lse: torch.Tensor) -> tuple:
+def fresh_outputs(out: torch.Tensor, lse: torch.Tensor) -> FreshOutputs:
     """ForwardPlan.fresh: how the direct path makes outputs like the planning call's."""
-    return (None if out._base is not None else (tuple(out.shape), out.stride()), (tuple(lse.shape), lse.stride()),
-            out.dtype, out.device)
+    return FreshOutputs(None if out._base is not None else (tuple(out.shape), out.stride()),
+                        (tuple(lse.shape), lse.stride()), out.dtype, out.device,
+                        torch.are_deterministic_algorithms_enabled())
 
 
 def _fill_outside_sequences(packed: PackedBatch, total_q: int, *fills: tuple) -> None:
@@ -113,9 +135,10 @@ def _key(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, regis
     """The plan-cache key of a call (flashkiln.plan_cache), or None for one planned every time."""
     if bias is not None and bias.dtype == torch.bool:
         return None  # converted to an additive bias on every call
+    # torch's deterministic flag is read at planning (fresh_outputs): part of the key.
     return (tensor_key(q), tensor_key(k), tensor_key(v), causal, value_key(window_size), value_key(softcap),
-            type(scale), scale,
-            None if bias is None else storage_key(bias), tensor_key(sink), packed_key(packed), registry, backend)
+            type(scale), scale, None if bias is None else storage_key(bias), tensor_key(sink), packed_key(packed),
+            torch.are_deterministic_algorithms_enabled(), registry, backend)
 
 
 def plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None,

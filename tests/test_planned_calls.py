@@ -322,14 +322,9 @@ def test_the_straight_backward_launches_what_the_full_path_does(registry, fake_g
     assert_same_roles(runs[0], runs[1], outputs=("dq", "dk", "dv"), plan=plan)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_the_straight_backward_allocates_without_torchs_deterministic_fill(registry, fake_gpu, monkeypatch,
-                                                                             deterministic):
-    """Under deterministic algorithms torch fills fresh memory with NaN (a memset per buffer); the
-    kernels write the gradients and scratch in full, so the straight path allocates them with the
-    fill off. A plan made without deterministic algorithms (its key says so) skips the switch."""
-    q, k, v = qkv()
-    dout, out, lse = backward_arguments(q)
+def fills_of_straight_run(monkeypatch, deterministic: bool, make_plan, call) -> list[bool]:
+    """torch's fill flag at each allocation of a straight run of the plan that make_plan() makes with
+    deterministic algorithms on or off (call(plan) runs it); the flag is on before and after."""
     fills = []
     real_empty_strided, real_empty = torch.empty_strided, torch.empty
 
@@ -338,13 +333,48 @@ def test_the_straight_backward_allocates_without_torchs_deterministic_fill(regis
 
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
     with _deterministic_algorithms(deterministic):
-        plan = backward_plan(registry, q, k, v)
+        plan = make_plan()
         monkeypatch.setattr(torch, "empty_strided", noting(real_empty_strided))
         monkeypatch.setattr(torch, "empty", noting(real_empty))
-        plan.run(dout, q, k, v, out, lse, None, None, None, None, None, None, None)
-    assert len(fills) == 4  # dq, dk, dv and the scratch block
-    assert fills == [not deterministic] * 4
+        call(plan)
     assert torch.utils.deterministic.fill_uninitialized_memory is True
+    return fills
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_straight_backward_allocates_without_torchs_deterministic_fill(registry, fake_gpu, monkeypatch,
+                                                                             deterministic):
+    """Under deterministic algorithms torch fills fresh memory with NaN (a memset per buffer); the
+    kernels write the gradients and scratch in full, so the straight path allocates them with the
+    fill off. A plan made without deterministic algorithms (its key says so) skips the switch."""
+    q, k, v = qkv()
+    dout, out, lse = backward_arguments(q)
+    fills = fills_of_straight_run(monkeypatch, deterministic, lambda: backward_plan(registry, q, k, v),
+                                  lambda plan: plan.run(dout, q, k, v, out, lse, None, None, None, None, None, None,
+                                                        None))
+    assert fills == [not deterministic] * 4  # dq, dk, dv and the scratch block
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_straight_forward_allocates_without_torchs_deterministic_fill(registry, fake_gpu, monkeypatch,
+                                                                            deterministic):
+    """The forward's out and lse likewise (its kernels write every row, O = 0 and LSE = -inf where a
+    row sees no key)."""
+    q, k, v = qkv()
+    allocations = 2 + bool(forward_plan(registry, q, k, v).scratch)  # out, lse (and the scratch block)
+    fills = fills_of_straight_run(monkeypatch, deterministic, lambda: forward_plan(registry, q, k, v),
+                                  lambda plan: plan.run(q, k, v, None, None, None))
+    assert fills == [not deterministic] * allocations
+
+
+def test_the_forward_plan_key_holds_torchs_deterministic_flag():
+    """A plan made with deterministic algorithms off must not serve a call made with them on."""
+    q, k, v = qkv()
+    keys = []
+    for on in (False, True):
+        with _deterministic_algorithms(on):
+            keys.append(forward._key(q, k, v, "none", None, None, None, None, None, None, None, None))
+    assert keys[0] != keys[1]
 
 
 class _deterministic_algorithms:  # noqa: N801 (a context manager)
