@@ -42,9 +42,26 @@ class WheelReport:
     cubin_bytes_per_arch: dict[str, int]
 
 
+def _source_pyproject() -> dict:
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+
+
 def _source_extra(flavor: str) -> list[str]:
-    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    return list(project["optional-dependencies"][_EXTRA[flavor]])
+    return list(_source_pyproject()["project"]["optional-dependencies"][_EXTRA[flavor]])
+
+
+def _extension_tables() -> str:
+    """The source tree's C modules and wheel tag (pyproject.toml), their sources where the staged
+    package keeps them (runtime/ is flashkiln/ there)."""
+    tool = _source_pyproject()["tool"]
+    tables = []
+    for module in tool["setuptools"]["ext-modules"]:
+        sources = ", ".join(f'"{"flashkiln/" + src.removeprefix("runtime/")}"' for src in module["sources"])
+        limited = str(module.get("py-limited-api", False)).lower()
+        tables.append(f'[[tool.setuptools.ext-modules]]\nname = "{module["name"]}"\nsources = [{sources}]\n'
+                      f"py-limited-api = {limited}\n")
+    tag = tool["distutils"]["bdist_wheel"]["py-limited-api"]
+    return "\n".join(tables) + f'\n[tool.distutils.bdist_wheel]\npy-limited-api = "{tag}"\n'
 
 
 def local_label(flavor: str, archs: list[str]) -> str:
@@ -76,14 +93,7 @@ include-package-data = false
 flashkiln = ["kernels/*.cubin", "kernels/manifest.json"]
 "flashkiln.generator" = ["templates/**/*", "specs/**/*"]
 
-[[tool.setuptools.ext-modules]]
-name = "flashkiln._launch"
-sources = ["flashkiln/_launch.c"]
-py-limited-api = true
-
-[tool.distutils.bdist_wheel]
-py-limited-api = "cp311"
-"""
+{_extension_tables()}"""
 
 
 def build_wheel(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1,

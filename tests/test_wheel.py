@@ -54,6 +54,8 @@ def test_wheel_is_named_by_flavor_and_archs_and_requires_no_generator(wheel):
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert sorted(r for r in requires if "extra ==" not in r) == ["cuda-bindings<14,>=13.0", "torch>=2.4"]
     assert all(f"flashkiln/kernels/{k['cubin']}" in names for k in manifest["kernels"])
+    # The launch path's C module (pyproject.toml's ext-modules), one abi3 build for CPython 3.11 on.
+    assert "flashkiln/_launch.abi3.so" in names and "-cp311-abi3-" in wheel.path.name
     build = manifest["build"]
     assert build["cuda_flavor"] == "cu13" and build["flashkiln_version"] == "0.1.0"
     assert {"generator_version", "specs_digest", "toolchain"} <= set(build)
