@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # What one device call runs: unpack the carried kernels, GPU tests, sanitizers, benchmark.
 # Usage (on the GPU machine, repo root): tools/device_run.sh [steps...]; steps default to
-# "info test sanitize bench". Logs go to $OUT (or build/device-logs).
+# "info test sanitize bench". Logs go to $OUT (or build/device-logs). The carried kernels:
+# $KERNELS (default .device/kernels.tar.gz, a tar of generated/). A/B of a partial build:
+#   overlay  lays the build $PARTIAL over generated/ into build/overlay (tools/overlay_build.py,
+#            --drop $DROP where its variants have other names) and makes the steps after it run on it;
+#   ab       $AB_ROUNDS (2) alternations of tools/time_backward.py on build/overlay and on
+#            generated/, --sweep each of $AB_SWEEPS (plain) --dims $AB_DIMS (64 128) --seqlens
+#            $AB_SEQLENS (2048 8192), into $OUT/ab.jsonl, then their table (tools/ab_table.py).
 set -uo pipefail
 out=${OUT:-build/device-logs}
 mkdir -p "$out"
 steps=${*:-info test sanitize bench}
-if [ -f .device/kernels.tar.gz ]; then tar -xzf .device/kernels.tar.gz; fi
+kernels=${KERNELS:-.device/kernels.tar.gz}
+if [ -f "$kernels" ]; then tar -xzf "$kernels"; fi
 export PYTHONUNBUFFERED=1
 for step in $steps; do
   echo "=== $step ($(date -u +%T))"
@@ -49,6 +56,22 @@ for step in $steps; do
       timeout 200 ncu --clock-control none --kernel-name regex:'flashkiln_bwd_portable' --section SourceCounters \
         --print-details all tools/pyenv.sh python3 tools/profile_bwd.py ${PROFILE_ARGS:-128 4096} > "$out/conflicts.log" 2>&1
       ncu --version | head -2; grep -n -i -A30 "shared" "$out/conflicts.log" | head -80
+      ;;
+    overlay)
+      python3 tools/overlay_build.py generated "$PARTIAL" build/overlay ${DROP:+--drop "$DROP"}
+      export FLASHKILN_KERNEL_DIR=$PWD/build/overlay
+      ;;
+    ab)
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for arm in overlay:$PWD/build/overlay main:$PWD/generated; do
+          for sweep in ${AB_SWEEPS:-plain}; do
+            FLASHKILN_KERNEL_DIR=${arm#*:} timeout ${AB_TIMEOUT:-60} tools/pyenv.sh python3 tools/time_backward.py \
+              "${arm%%:*}" --sweep $sweep --dims ${AB_DIMS:-64 128} --seqlens ${AB_SEQLENS:-2048 8192} --reps 10 \
+              >> "$out/ab.jsonl" 2>> "$out/ab.err"
+          done
+        done
+      done
+      python3 tools/ab_table.py "$out/ab.jsonl" | tee "$out/ab.md"
       ;;
     bench)
       extra=()
