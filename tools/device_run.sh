@@ -62,7 +62,7 @@ for step in $steps; do
       export FLASHKILN_KERNEL_DIR=$PWD/build/overlay
       ;;
     ab)
-      for round in $(seq ${AB_ROUNDS:-2}); do
+      for _ in $(seq ${AB_ROUNDS:-2}); do
         for arm in overlay:$PWD/build/overlay main:$PWD/generated; do
           for sweep in ${AB_SWEEPS:-plain}; do
             FLASHKILN_KERNEL_DIR=${arm#*:} timeout ${AB_TIMEOUT:-60} tools/pyenv.sh python3 tools/time_backward.py \
