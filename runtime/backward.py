@@ -29,8 +29,7 @@ class FreshGradients(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     # Deterministic algorithms were on at planning (the plan's key holds the flag), so torch would
-    # fill fresh memory: only then do the allocations switch the fill off
-    # (inputs.kernel_written_allocations), since the switch itself costs host time.
+    # fill fresh memory (inputs.kernel_written).
     filled: bool
 
 
@@ -55,11 +54,7 @@ class BackwardPlan(CallPlan):
             dv: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """The call's gradients; its arguments passed the checks its plan was made with."""
         if self.fresh is not None and dq is None and dk is None and dv is None:
-            if self.fresh.filled:
-                with inputs.kernel_written_allocations():
-                    dq, dk, dv, block = self._fresh_buffers()
-            else:
-                dq, dk, dv, block = self._fresh_buffers()
+            dq, dk, dv, block = inputs.kernel_written(self.fresh.filled, self._fresh_buffers)
             dlse = None if dlse is None else dlse.contiguous()
             run(self, {**backward_tensors(q, k, v, out, dout, lse.contiguous(), dq, dk, dv, dlse, None, None, None),
                        **self.scratch_block.addresses(block)})

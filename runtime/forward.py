@@ -28,8 +28,8 @@ class FreshOutputs(NamedTuple):
     lse_layout: tuple
     dtype: torch.dtype
     device: torch.device
-    # Deterministic algorithms were on at planning (the plan's key holds the flag): only then do
-    # the allocations switch torch's fill off (inputs.kernel_written_allocations).
+    # Deterministic algorithms were on at planning (the plan's key holds the flag), so torch would
+    # fill fresh memory (inputs.kernel_written).
     filled: bool
 
 
@@ -47,11 +47,7 @@ class ForwardPlan(CallPlan):
             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The call's outputs; its arguments passed the checks its plan was made with."""
         if self.fresh is not None and out is None and lse is None:
-            if self.fresh.filled:
-                with inputs.kernel_written_allocations():
-                    out, lse, block = self._fresh_buffers(q, v)
-            else:
-                out, lse, block = self._fresh_buffers(q, v)
+            out, lse, block = inputs.kernel_written(self.fresh.filled, self._fresh_buffers, q, v)
             tensors = forward_tensors(q, k, v, out, lse, None, None, None)
             if block is not None:
                 tensors.update(self.scratch_block.addresses(block))

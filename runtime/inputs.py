@@ -5,12 +5,15 @@ Every problem a caller can cause is an InvalidInputError raised here, before any
 from __future__ import annotations
 
 import math
+from typing import Callable, TypeVar
 
 import torch
 
 from .errors import InvalidInputError
 from .head_dims import MAX_HEAD_DIM
 from .visibility import UNBOUNDED_REACH
+
+T = TypeVar("T")
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 CAUSAL_MODES = {None: "none", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -226,6 +229,16 @@ class kernel_written_allocations:  # noqa: N801 (used as a context manager, like
 
     def __exit__(self, *exc: object) -> None:
         torch.utils.deterministic.fill_uninitialized_memory = self._flag
+
+
+def kernel_written(filled: bool, make: Callable[..., T], *args: object) -> T:
+    """make(*args), under kernel_written_allocations where `filled` (torch would fill fresh memory:
+    deterministic algorithms were on when the caller's plan was made); without the switch otherwise,
+    since the switch itself costs host time on the straight paths."""
+    if filled:
+        with kernel_written_allocations():
+            return make(*args)
+    return make(*args)
 
 
 def empty_gradient_like(t: torch.Tensor) -> torch.Tensor:
