@@ -95,7 +95,8 @@ def test_tuning_errors(overrides, message):
     ({"d_qk": 128, "d_v": 128, "tile_m": 128}, "one 64-column dQ part"),
     ({"d_qk": 64, "d_v": 64, "tile_m": 192, "warps": 12}, "one or two 64-row"),
     ({"d_qk": 64, "d_v": 64, "tile_m": 64, "tile_n": 64}, "128 keys per CTA"),
-    ({"d_qk": 64, "d_v": 64, "tile_m": 128, "bias": "additive"}, "bytes of shared memory"),
+    ({"d_qk": 64, "d_v": 64, "tile_m": 128, "bias": "additive", "stages": 3}, "bytes of shared memory"),
+    ({"d_qk": 128, "d_v": 128, "tile_m": 64, "bias": "additive", "stages": 3}, "bytes of shared memory"),
     ({"d_qk": 256, "d_v": 256, "tile_m": 64, "tile_n": 128}, "64 keys per CTA at d_qk=256"),
     ({"d_qk": 256, "d_v": 256, "tile_m": 64, "tile_n": 64, "stages": 2}, "one Q/dO stage"),
     ({"d_qk": 256, "d_v": 256, "tile_m": 128, "tile_n": 64, "stages": 1}, "one 64-column dQ part"),
@@ -108,10 +109,10 @@ def test_backward_tuning_errors(overrides, message):
 
 
 def test_backward_query_tiles_per_head_dim():
-    """128-row query tiles where a head dim is one dQ part (d 64, without a bias or a cap); 64 rows elsewhere."""
+    """128-row query tiles where a head dim is one dQ part (d 64, without a cap); 64 rows elsewhere."""
     tiles = {(d.d_qk, d.bias, d.softcap): d.tile_m for d in (v.descriptor for v in load_variants(REPO / "specs"))
              if d.family == "hopper" and d.kernel == "bwd"}
-    assert tiles == {(64, "none", False): 128, (64, "additive", False): 64, (64, "none", True): 64,
+    assert tiles == {(64, "none", False): 128, (64, "additive", False): 128, (64, "none", True): 64,
                      (96, "none", False): 64, (96, "additive", False): 64,
                      (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64,
                      (192, "none", False): 64, (192, "additive", False): 64,
@@ -130,6 +131,12 @@ def test_backward_query_tiles_per_head_dim():
     d192 = hopper(kernel="bwd", d_qk=192, d_v=128, tile_m=64, tile_n=64, stages=1)
     assert not HOPPER.tuning_errors(d192) and HOPPER.splits_columns(d192)
     assert HOPPER.smem_bytes(d192) == 2 * (64 * 320 + 64 * 320 + 3 * 64 * 64) + 4 * 2 * 64 * 96 + 2048 + 1008
+    # With a bias, split by keys: dS goes in the two stages' bias tiles, and a row sum per consumer
+    # warp and row stays of its buffers; 128-row tiles then fit at d 64.
+    biased = hopper(kernel="bwd", d_qk=64, d_v=64, bias="additive")
+    assert not HOPPER.tuning_errors(biased)
+    assert HOPPER.smem_bytes(biased) == (2 * (2 * 128 * 64 + 4 * 128 * 64) + 4 * 8 * 128 + 4 * 2 * 64 * 64 + 4096
+                                         + 2 * 2 * 128 * 128 + 1008)
 
 
 def test_smem_formula():

@@ -28,7 +28,7 @@ for step in $steps; do
     sanitize)
       for tool in memcheck racecheck; do
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --print-limit 20 --report-api-errors no \
-          tools/pyenv.sh python3 tools/sanitize.py $([ $tool = racecheck ] && echo 9) 2>&1 \
+          tools/pyenv.sh python3 tools/sanitize.py $([ $tool = racecheck ] && echo 10) 2>&1 \
           | tee "$out/sanitize-$tool.log" | tail -8
       done
       ;;

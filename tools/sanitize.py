@@ -16,13 +16,14 @@ import flashkiln
 from flashkiln.dq_routes import ROUTE_ENV, ROUTES
 
 # (B, H_q, H_kv, S_q, S_k, d or (d_qk, d_v), causal, bias shape or None, score modifications);
-# racecheck runs the first 9 (tools/device_run.sh)
+# racecheck runs the first 10 (tools/device_run.sh)
 CASES = [
     (1, 2, 1, 130, 200, 256, "bottom_right", None, {}),  # d 256: the hopper backward's split columns
     (1, 2, 1, 129, 200, 256, None, (1, 1, 1, 200), {}),  # ... with a bias: key sums joined across warpgroups
     (1, 2, 1, 130, 200, (192, 128), "bottom_right", (1, 2, 130, 200), {}),  # split columns, d_qk != d_v
     (1, 2, 2, 200, 300, 128, "top_left", None, {}),  # the hopper forward's second tuning (128 keys)
     (1, 2, 1, 17, 129, 64, None, (1, 1, 1, 129), {}),
+    (1, 2, 1, 200, 300, 64, "bottom_right", (1, 2, 200, 300), {}),  # d 64 with a bias: dS in its bias tiles
     (1, 2, 2, 129, 17, 128, "bottom_right", (1, 2, 129, 17), {}),
     # dBias shared by batch entries: bwd_dbias, 144 tiles (CTAs that take two, tiles no row sees)
     (2, 3, 1, 1500, 200, 128, "top_left", (1, 3, 1500, 200), {}),

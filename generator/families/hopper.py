@@ -81,13 +81,18 @@ class HopperFamily(Family):
 
     def _bwd_smem_bytes(self, d: VariantDescriptor) -> int:
         """BwdTraits::SharedStorage: K, V, `stages` x (Q, dO), two dS buffers (and P^T's where the
-        warpgroups split columns), each warpgroup's dQ staging (fp32), then two buffers of row
-        stats, the barriers and dSink's per-warp sums (with the empty NoBias's byte), rounded up to
-        1024 bytes, then with a bias `stages` bias tiles, and the alignment slack."""
+        warpgroups split columns; with a bias split by keys, dS goes in the bias tiles and only a
+        partial row sum per consumer warp and row stays, kDsInBiasTile), each warpgroup's dQ
+        staging (fp32), then two buffers of row stats, the barriers and dSink's per-warp sums (with
+        the empty NoBias's byte), rounded up to 1024 bytes, then with a bias `stages` bias tiles,
+        and the alignment slack."""
         elem = ELEMENT_BYTES[d.dtype]
         bias = d.bias != "none"
-        ds_buffers = 3 if self.splits_columns(d) else 2
-        tiles = elem * ((d.tile_n + d.stages * d.tile_m) * (d.d_qk + d.d_v) + ds_buffers * d.tile_m * d.tile_n)
+        if bias and not self.splits_columns(d):
+            ds = 4 * (4 * self.consumer_warpgroups(d)) * d.tile_m  # fp32, per consumer warp and row
+        else:
+            ds = elem * (3 if self.splits_columns(d) else 2) * d.tile_m * d.tile_n
+        tiles = elem * (d.tile_n + d.stages * d.tile_m) * (d.d_qk + d.d_v) + -(-ds // 1024) * 1024
         dq_staging = 4 * self.consumer_warpgroups(d) * _DQ_TILE_ROWS * (d.d_qk // self.dq_parts(d))
         # K/V, Q/dO ring, dQ staging, dBias turns
         barriers = 8 * (1 + 2 * d.stages + 2 * self.consumer_warpgroups(d) + 2)

@@ -325,7 +325,7 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
   // The tile, in the bias's type, through its bias buffer (every read of it is done: the last
   // member's barrier, or none began) to one TMA store per 64-key box, clipped at the plane's rows
   // and keys; the barrier also makes the next tile's first stats visible.
-  store_rows_of_transposed<T::kBlockM>(convert_fragment<Element>(acc_dbias), cS, bias_tile);
+  store_rows_of_transposed<T::kBlockM, T::kBlockM>(convert_fragment<Element>(acc_dbias), cS, bias_tile);
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(kMembersBarrier, T::kConsumerThreads);
   release_previous();

@@ -469,7 +469,12 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     // A thread's rows in an m64 accumulator: r0 + dr, dr = 8 j + e; a row at a time, so that one
     // partial sum is live beside the accumulators.
     const int r0 = get<1>(cS(0));
-    float* const sums = reinterpret_cast<float*>(ss.ds + buffer * T::kElemsdS);  // (warp, row)
+    float* sums;  // (warp, row)
+    if constexpr (T::kDsInBiasTile) {
+      sums = ss.ds.sums;
+    } else {
+      sums = reinterpret_cast<float*>(ss.ds.tiles + buffer * T::kElemsdS);
+    }
     CUTE_UNROLL
     for (int dr = 0; dr < kWarpgroupRows; dr += dr % 2 == 0 ? 1 : 7) {
       float part = 0.f;
@@ -584,7 +589,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     if constexpr (T::kSplitColumns) {
       // dV needs both warpgroups' rows of P^T (in the buffer after the two dS buffers): stored,
       // then dV runs under dS's arithmetic.
-      Element* const p_tile = ss.ds + 2 * T::kElemsdS;
+      Element* const p_tile = ss.ds.tiles + 2 * T::kElemsdS;
       store_fragment<T::kBlockN>(p_regs, cS, cute::cast_smem_ptr_to_uint(p_tile));
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
@@ -633,7 +638,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         }
         const bool adder = thread % 4 == 0 && (!T::kSplitColumns || warpgroup == 0);
         if constexpr (T::kSplitColumns) {
-          float* const key_sums = reinterpret_cast<float*>(ss.ds + buffer * T::kElemsdS);  // per key of the tile
+          float* const key_sums = reinterpret_cast<float*>(ss.ds.tiles + buffer * T::kElemsdS);  // per key of the tile
           if (warpgroup == 1 && thread % 4 == 0) {
             key_sums[get<0>(cS(0))] = sums[0];
             key_sums[get<0>(cS(0)) + 8] = sums[1];
@@ -657,14 +662,7 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     }
     ds_regs = convert_fragment<Element>(acc_dp);
     if constexpr (T::kBiasGrad) {
-      if (p.ds_workspace != 0) {
-        // Into the stage's bias tile, for the producer's store (store_ds_tile): a warp writes the
-        // entries it read of it (bias_transposed_into), so no other warp's reads are pending there,
-        // but other lanes' are (ldmatrix reads for the whole warp): __syncwarp orders them first.
-        __syncwarp();
-        store_rows_of_transposed<T::kBlockM>(ds_regs, cS,
-                                             cute::cast_smem_ptr_to_uint(ss.bias.tiles + st.stage * T::kElemsBias));
-      } else if (p.dbias_sum != 0) {
+      if (p.dbias_sum != 0) {
         const int ld = ds_ld();
         float* const plane = reinterpret_cast<float*>(p.dbias_sum) +
                              int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ld;
@@ -688,8 +686,27 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         }
       }
     }
-    Element* const ds = ss.ds + buffer * T::kElemsdS;
-    store_fragment<T::kBlockN>(ds_regs, cS, cute::cast_smem_ptr_to_uint(ds));
+    // dS into the stage's bias tile (dQ's operand with kDsInBiasTile; a full bias's dBias, which
+    // the producer stores from there, store_ds_tile): a warp writes the entries it read of it
+    // (bias_transposed_into), so no other warp's reads are pending there, but other lanes' are
+    // (ldmatrix reads for the whole warp): __syncwarp orders them first. Else into a dS buffer.
+    auto store_in_bias_tile = [&](Element* tile) {
+      __syncwarp();
+      store_rows_of_transposed<T::kBlockM, kWarpgroupRows>(ds_regs, cS, cute::cast_smem_ptr_to_uint(tile));
+    };
+    Element* ds;
+    if constexpr (T::kDsInBiasTile) {
+      ds = ss.bias.tiles + st.stage * T::kElemsBias;
+      store_in_bias_tile(ds);
+    } else {
+      if constexpr (T::kBiasGrad) {
+        if (p.ds_workspace != 0) {
+          store_in_bias_tile(ss.bias.tiles + st.stage * T::kElemsBias);
+        }
+      }
+      ds = ss.ds.tiles + buffer * T::kElemsdS;
+      store_fragment<T::kBlockN>(ds_regs, cS, cute::cast_smem_ptr_to_uint(ds));
+    }
     if (has_next) {
       store_stats(ss.stats[buffer ^ 1], next_stats);
     }

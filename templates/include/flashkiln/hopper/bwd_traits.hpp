@@ -20,7 +20,10 @@
 //     rows, P^T and dS^T go through shared memory, and each keeps half of dK's and of dV's
 //     columns.
 // With kBias, a (kBlockM, kBlockN) tile of the additive bias rides in every Q/dO stage (split
-// columns: each warpgroup reads its rows of it).
+// columns: each warpgroup reads its rows of it). Split by keys, the consumers then store dS over
+// their stage's bias tile once they have read it, where dQ's GEMM reads it (K-major) and the
+// producer stores a full bias's dBias from: such a kernel has no dS buffers, so that 128-row tiles
+// and their bias tiles fit shared memory at d 64.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -50,6 +53,7 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
 
   static constexpr int kConsumerWarpgroups = kBwdConsumerWarpgroups;
   static constexpr bool kSplitColumns = kBlockN == 64;
+  static constexpr bool kDsInBiasTile = kBias_ && !kSplitColumns;
   static_assert(kBlockN == 64 * kConsumerWarpgroups || kSplitColumns, "keys split 64 per warpgroup, or columns");
   // The warpgroups' grid over S^T (keys, rows): by keys, or by rows where they split columns.
   static constexpr int kSdPWarpgroupsN = kSplitColumns ? kConsumerWarpgroups : 1;
@@ -120,9 +124,15 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   // dS as dQ's A operand: (query rows, keys), rows contiguous (MN-major), in boxes of 64 rows;
   // byte (key k, row r) at (r / 64) * kBlockN * 128 + k * 128 + ((r % 64 / 8) ^ (k % 8)) * 16 +
   // (r % 8) * 2, which is how a warpgroup stores its dS^T fragment (swizzled_tile.hpp,
-  // store_fragment, as a (keys, rows) tile).
-  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>>{}, Step<_2, _1>{}));
+  // store_fragment, as a (keys, rows) tile). Or, in a bias tile (kDsInBiasTile), keys contiguous
+  // (K-major) in boxes of 64 keys, as TMA lays out the bias (transposed_tile.hpp,
+  // store_rows_of_transposed).
+  static constexpr GMMA::Major kMajorDs = kDsInBiasTile ? GMMA::Major::K : GMMA::Major::MN;
+  using SmemLayoutdS = cute::conditional_t<
+      kDsInBiasTile,
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>>{})),
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>>{},
+                             Step<_2, _1>{}))>;
 
   // P^T and dS^T as the A operands of dV and dK where they go through shared memory: (keys, rows),
   // rows contiguous (K-major); the same bytes as SmemLayoutdS.
@@ -152,7 +162,7 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   using TiledMmaDv = TiledMmaGrad<kDimV>;
   using TiledMmaDq = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kDqTileRows>, Int<kDqCols>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+                           kMajorDs, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqRowTiles>, Int<kDqParts>, _1>>{}));
 
   static constexpr int kElemsQ = kBlockM * kDimQK;  // per stage
@@ -180,6 +190,16 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
     float sink_weight[kBlockM];
   };
   struct NoBias {};
+  // Two dS buffers (a query tile's dS while the last one's dQ runs), then P^T's where the
+  // warpgroups split columns; between a tile's dS, scratch of its exact deltas (exact_deltas) and
+  // of its dBias key sums.
+  struct DsBuffers {
+    alignas(1024) Element tiles[(kSplitColumns ? 3 : 2) * kElemsdS];
+  };
+  // With dS in the bias tiles: the exact deltas' scratch alone, a partial sum per (warp, row).
+  struct RowSums {
+    float sums[kConsumerThreads / 32 * kBlockM];
+  };
   struct BiasTiles {
     // Per stage (query rows, keys) in 64-key boxes, as TMA writes them; a bias broadcast over the
     // rows fills each box's first row.
@@ -190,9 +210,7 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
     alignas(1024) Element v[kElemsV];
     alignas(1024) Element q[kStages * kElemsQ];
     alignas(1024) Element dout[kStages * kElemsDo];
-    // Two dS buffers (a query tile's dS while the last one's dQ runs), then P^T's where the
-    // warpgroups split columns.
-    alignas(1024) Element ds[(kSplitColumns ? 3 : 2) * kElemsdS];
+    cute::conditional_t<kDsInBiasTile, RowSums, DsBuffers> ds;
     alignas(1024) float dq[kConsumerWarpgroups * DqLayout::kPartFloats];  // each warpgroup's dQ for its bulk add
     RowStats stats[2];
     uint64_t kv_full;           // K and V landed

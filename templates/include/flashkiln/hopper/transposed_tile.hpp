@@ -16,19 +16,51 @@ namespace flashkiln::hopper {
 
 using namespace cute;
 
+// The 8 x 8 blocks in which a warp's transposed fragment (kFragRows of a (kRows, keys) tile's rows:
+// all, or a warpgroup's part where the warpgroups split them) meets the tile, for ldmatrix.trans
+// and stmatrix.trans (common/shared_access.hpp): blocks of 8 rows by the 8 keys k0 + 8 g (g < 2,
+// k0 the lane's first key), rows 8 j, four at a time (j = 4 h + b); a lane's pair of rows of key
+// k0 + 8 g is entry pair j of block-row g, and it gives the address of row lane % 8 of block
+// lane / 8.
+template <int kRows, int kFragRows>
+struct TransposedBlocks {
+  static_assert(kFragRows % 32 == 0 && kRows % kFragRows == 0, "whole groups of 4 row blocks");
+  static constexpr int kGroups = kFragRows / 32;  // h
+  static constexpr int kPairs = kFragRows / 8;    // j
+  uint32_t first;  // this lane's address in group (g, h) = (0, 0)
+
+  template <class Coords>
+  __device__ __forceinline__ TransposedBlocks(Coords const& coords, uint32_t tile) {
+    const int k0 = get<0>(coords(0)), r0 = get<1>(coords(0));
+    const int row_base = kFragRows == kRows ? 0 : r0 - r0 % 8;  // r0 less the lane's own 2 (l % 4)
+    const int lane = threadIdx.x % 32;
+    const int chunk = (k0 % 64) / 16 * 2;  // the warp's first 8 keys, as a 16-byte chunk of its box's rows
+    first = tile + (k0 / 64) * kRows * 128 + (row_base + lane / 8 * 8 + lane % 8) * 128 + ((chunk ^ (lane % 8)) * 16);
+  }
+
+  // (The tile is 1024-byte aligned and `chunk` even: the next chunk flips bit 4 of the address.)
+  __device__ __forceinline__ uint32_t address(int g, int h) const { return (first ^ uint32_t(g * 16)) + h * 32 * 128; }
+
+  // Entry pair i's place among the pairs of its block-row: (g, j).
+  template <class Coords>
+  __device__ __forceinline__ static int block_row(Coords const& coords, int i) {
+    return (get<0>(coords(i)) - get<0>(coords(0))) / 8;
+  }
+  template <class Coords>
+  __device__ __forceinline__ static int pair(Coords const& coords, int i) {
+    return (get<1>(coords(i)) - get<1>(coords(0))) / 8;
+  }
+};
+
 // The bias tile at shared address `tile`, a (kRows query rows, keys) tile, divided by the scale and
-// added to acc, a transposed (keys, rows) accumulator (S^T) of kFragRows of the rows (all, or a
-// warpgroup's part where the warpgroups split them): each of a lane's (key, row pair) is what
-// ldmatrix.trans hands it of an 8 x 8 block of 8 rows by 8 keys (load_blocks_transposed,
-// common/shared_access.hpp), so 8 x 4 blocks per warp come in 4 loads. kRowBroadcast: every row
-// reads row 0, one 2-byte load per key.
+// added to acc, a transposed (keys, rows) accumulator (S^T) of kFragRows of the rows: each lane's
+// (key, row pair) comes from ldmatrix.trans (TransposedBlocks), 8 x 4 blocks per warp in 4 loads.
+// kRowBroadcast: every row reads row 0, one 2-byte load per key.
 template <int kRows, int kFragRows, bool kRowBroadcast, class Element, class Acc, class Coords>
 __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coords, uint32_t tile, float inv_scale) {
   static_assert(sizeof(Element) == 2, "2-byte entries");
-  const int k0 = get<0>(coords(0));
-  const int r0 = kRowBroadcast ? 0 : get<1>(coords(0));
-  const uint32_t box = tile + (k0 / 64) * kRows * 128;  // the warpgroup's 64 keys
   if constexpr (kRowBroadcast) {
+    const uint32_t box = tile + (get<0>(coords(0)) / 64) * kRows * 128;  // the warpgroup's 64 keys
     CUTE_UNROLL
     for (int i = 0; i < size(acc); ++i) {
       const int key = get<0>(coords(i)) % 64;
@@ -36,27 +68,23 @@ __device__ __forceinline__ void bias_transposed_into(Acc& acc, Coords const& coo
       acc(i) = fmaf(float(reinterpret_cast<Element const&>(raw)), inv_scale, acc(i));
     }
   } else {
-    static_assert(kFragRows % 32 == 0 && kRows % kFragRows == 0, "whole loads of 4 row blocks");
-    const int row_base = kFragRows == kRows ? 0 : r0 - r0 % 8;  // r0 less the lane's own 2 (l % 4)
-    const int lane = threadIdx.x % 32;
-    const int chunk = (k0 % 64) / 16 * 2;  // the warp's first 8 keys, as a 16-byte chunk of a row
+    using Blocks = TransposedBlocks<kRows, kFragRows>;
+    const Blocks blocks(coords, tile);
     cutlass::NumericArrayConverter<float, Element, 2> convert;
     CUTE_UNROLL
-    for (int g = 0; g < 2; ++g) {  // keys k0 + 8 g, one at a time to keep few registers live
-      uint32_t pairs[kFragRows / 8];  // rows r0 + 8 j + {0, 1}
+    for (int g = 0; g < 2; ++g) {
       CUTE_UNROLL
-      for (int h = 0; h < kFragRows / 32; ++h) {
-        const int row = row_base + (4 * h + lane / 8) * 8 + lane % 8;
-        uint32_t (&out)[4] = *reinterpret_cast<uint32_t(*)[4]>(&pairs[4 * h]);
-        load_blocks_transposed(box + row * 128 + (((chunk + g) ^ (row % 8)) * 16), out);
-      }
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc); i += 2) {
-        if ((get<0>(coords(i)) - k0) / 8 == g) {  // compile-time once unrolled
-          const int j = (get<1>(coords(i)) - r0) / 8;
-          const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(pairs[j]));
-          acc(i) = fmaf(pair[0], inv_scale, acc(i));
-          acc(i + 1) = fmaf(pair[1], inv_scale, acc(i + 1));
+      for (int h = 0; h < Blocks::kGroups; ++h) {  // one load at a time, to keep few registers live
+        uint32_t pairs[4];
+        load_blocks_transposed(blocks.address(g, h), pairs);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc); i += 2) {
+          const int j = Blocks::pair(coords, i);
+          if (Blocks::block_row(coords, i) == g && j / 4 == h) {  // compile-time once unrolled
+            const auto pair = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(pairs[j % 4]));
+            acc(i) = fmaf(pair[0], inv_scale, acc(i));
+            acc(i + 1) = fmaf(pair[1], inv_scale, acc(i + 1));
+          }
         }
       }
     }
@@ -108,22 +136,11 @@ __device__ __forceinline__ RowPair row_pair(Frag const& frag, Coords const& coor
   return {get<1>(coords(i)) + (even_key ? 0 : 1), get<0>(coords(i)) - (even_key ? 0 : 1), keys};
 }
 
-// `emit(row, key, keys)` gets each row pair of the fragment (row_pair). The pairs a warp emits are
-// the entries its fragment holds.
-template <class Frag, class Coords, class Emit>
-__device__ __forceinline__ void for_rows_of_transposed(Frag const& frag, Coords const& coords, Emit&& emit) {
-  CUTE_UNROLL
-  for (int i = 0; i < size(frag); i += 2) {
-    const RowPair pair = row_pair(frag, coords, i);
-    emit(pair.row, pair.key, pair.keys);
-  }
-}
-
 // The row pairs joined into runs of four keys of one row. Lanes l and l ^ 8 hold the same rows'
 // pairs, two keys apart (the lane with l & 8 clear the first two, which start at a multiple of 4);
 // of a key's two pairs 8 rows apart, that lane takes the first rows' four keys and the other lane
 // the second rows'. `emit(row, key, low, high)` gets keys key, key + 1 in `low` and key + 2,
-// key + 3 in `high` (key % 4 == 0): half the emits of for_rows_of_transposed.
+// key + 3 in `high` (key % 4 == 0).
 template <class Frag, class Coords, class Emit>
 __device__ __forceinline__ void for_quads_of_transposed(Frag const& frag, Coords const& coords, Emit&& emit) {
   const bool first_half = (threadIdx.x & 8) == 0;
@@ -145,19 +162,28 @@ __device__ __forceinline__ void for_quads_of_transposed(Frag const& frag, Coords
   }
 }
 
-// The row-major pairs of a transposed fragment (for_rows_of_transposed) into the (kRows, cols) tile
-// at shared address `tile`. A thread's pairs lie 8-row steps and 0 or 8 keys from its first, inside
-// one 64-key box whose 16-byte chunk index is even there (keys 16 w + {0, 2, 4, 6} of warp w), so
-// each address is the first one's with one XOR and one add.
-template <int kRows, class Frag, class Coords>
+// A transposed fragment of 2-byte entries (kFragRows of the rows, as bias_transposed_into reads
+// them) into the (kRows, keys) tile at shared address `tile`, in that tile's layout (a bias tile's):
+// stmatrix.trans, 4 stores per 32 rows.
+template <int kRows, int kFragRows, class Frag, class Coords>
 __device__ __forceinline__ void store_rows_of_transposed(Frag const& frag, Coords const& coords, uint32_t tile) {
-  const bool even_key = (threadIdx.x / 4) % 2 == 0;
-  const int r = get<1>(coords(0)) + (even_key ? 0 : 1);
-  const int k = get<0>(coords(0)) - (even_key ? 0 : 1);
-  const uint32_t base = tile + swizzled_offset<kRows>(r, k);
-  for_rows_of_transposed(frag, coords, [&](int row, int key, uint32_t keys) {
-    store_shared_u32_at((base ^ uint32_t((key - k) / 8 * 16)) + (row - r) * 128, keys);
-  });
+  static_assert(sizeof(typename Frag::value_type) == 2, "pairs of 2-byte entries");
+  using Blocks = TransposedBlocks<kRows, kFragRows>;
+  const Blocks blocks(coords, tile);
+  CUTE_UNROLL
+  for (int g = 0; g < 2; ++g) {
+    uint32_t pairs[Blocks::kPairs];
+    CUTE_UNROLL
+    for (int i = 0; i < size(frag); i += 2) {
+      if (Blocks::block_row(coords, i) == g) {  // compile-time once unrolled
+        pairs[Blocks::pair(coords, i)] = *reinterpret_cast<uint32_t const*>(&frag(i));
+      }
+    }
+    CUTE_UNROLL
+    for (int h = 0; h < Blocks::kGroups; ++h) {
+      store_blocks_transposed(blocks.address(g, h), *reinterpret_cast<uint32_t const(*)[4]>(&pairs[4 * h]));
+    }
+  }
 }
 
 }  // namespace flashkiln::hopper
