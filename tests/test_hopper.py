@@ -109,14 +109,17 @@ def test_backward_tuning_errors(overrides, message):
 
 
 def test_backward_query_tiles_per_head_dim():
-    """128-row query tiles where a head dim is one dQ part (d 64, without a cap); 64 rows elsewhere."""
-    tiles = {(d.d_qk, d.bias, d.softcap): d.tile_m for d in (v.descriptor for v in load_variants(REPO / "specs"))
-             if d.family == "hopper" and d.kernel == "bwd"}
-    assert tiles == {(64, "none", False): 128, (64, "additive", False): 128, (64, "none", True): 64,
-                     (96, "none", False): 64, (96, "additive", False): 64,
-                     (128, "none", False): 64, (128, "additive", False): 64, (128, "none", True): 64,
-                     (192, "none", False): 64, (192, "additive", False): 64,
-                     (256, "none", False): 64, (256, "additive", False): 64, (256, "none", True): 64}
+    """128-row query tiles where a head dim is one dQ part (d 64, without a cap or dBias); 64 rows
+    elsewhere."""
+    tiles: dict[tuple, set[int]] = {}
+    for d in (v.descriptor for v in load_variants(REPO / "specs")):
+        if d.family == "hopper" and d.kernel == "bwd":
+            tiles.setdefault((d.d_qk, d.bias, d.bias_grad, d.softcap), set()).add(d.tile_m)
+    assert tiles == {(64, "none", False, False): {128}, (64, "additive", False, False): {128},
+                     (64, "additive", True, False): {64}, (64, "none", False, True): {64},
+                     **{(dim, "none", False, False): {64} for dim in (96, 128, 192, 256)},
+                     **{(dim, "additive", grad, False): {64} for dim in (96, 128, 192, 256) for grad in (False, True)},
+                     (128, "none", False, True): {64}, (256, "none", False, True): {64}}
     d64 = hopper(kernel="bwd", d_qk=64, d_v=64)
     assert not HOPPER.tuning_errors(d64)
     # K, V; two stages of Q and dO; two dS buffers; each warpgroup's 64-row dQ staging; stats and
