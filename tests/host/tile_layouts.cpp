@@ -67,6 +67,19 @@ inline void load_blocks_transposed(uint32_t address, uint32_t (&out)[4]) {
   }
 }
 
+// stmatrix.x4 as PTX defines it: the row whose address lane l gave (row j = l % 8 of block l / 8)
+// receives the 4-byte pairs that lanes 4 j to 4 j + 3 gave for the block, in lane order. Not in the
+// first pass (as below).
+inline void store_blocks(uint32_t address, uint32_t const (&in)[4]) {
+  const Sent row = collective(address);
+  const Sent blocks[4] = {collective(in[0]), collective(in[1]), collective(in[2]), collective(in[3])};
+  const int lane = threadIdx.x % 32, b = lane / 8, j = lane % 8;
+  for (int m = 0; m < 4 && collective_pass > 0; ++m) {
+    const uint32_t pair = blocks[b][4 * j + m];
+    memcpy(shared_window + row[lane] + 4 * m, &pair, 4);
+  }
+}
+
 // stmatrix.x4.trans as PTX defines it: the row whose address lane l gave (row l % 8 of block
 // l / 8) receives entry i from half (l % 8) % 2 of what lane 4 i + (l % 8) / 2 gave for the block.
 // Not in the first pass, which has no addresses yet (and would write to 0).
@@ -238,6 +251,42 @@ void run_warp(int warp, Body&& body) {
   }
 }
 
+// store_fragment: the m64 fragments of a (kRows, kCols) tile in swizzled boxes of kBoxCols columns,
+// each warpgroup's of 64 rows by kFragCols columns (all, or a warpgroup's share where two split
+// them), each entry holding its own (row, column), must land where TMA's (and wgmma's) layout keeps
+// them.
+template <int kRows, int kCols, int kBoxCols, int kFragCols>
+void check_fragment_store() {
+  auto entry = [](int r, int c) { return uint16_t(r * 300 + c); };
+  alignas(1024) static uint16_t buffer[kRows * kCols];
+  memset(buffer, 0xff, sizeof(buffer));
+  flashkiln::shared_window = reinterpret_cast<char*>(buffer);
+  for (int rows = 0; rows < kRows; rows += 64) {
+    for (int cols = 0; cols < kCols; cols += kFragCols) {
+      for (int warp = 0; warp < 4; ++warp) {
+        run_warp(warp, [&](int t, bool) {
+          const FragmentCoords coords{rows + 16 * warp + t % 32 / 4, cols + 2 * (t % 4)};
+          Tensor frag = make_tensor<uint16_t>(Int<kFragCols / 2>{});
+          for (int i = 0; i < size(frag); ++i) {
+            frag(i) = entry(get<0>(coords(i)), get<1>(coords(i)));
+          }
+          store_fragment<kRows, kBoxCols>(frag, coords, 0);
+        });
+      }
+    }
+  }
+  auto tile = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(buffer)), BoxTileLayout<kRows, kCols, kBoxCols>{});
+  bool ok = true;
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kCols; ++c) {
+      uint16_t bits;
+      memcpy(&bits, raw_pointer_cast(&tile(r, c)), 2);
+      ok &= bits == entry(r, c);
+    }
+  }
+  report(ok, "fragment store", kRows, kCols);
+}
+
 // The rows of a consumer warpgroup's fragment of a (kRows, kKeys) tile of S^T: all, where the two
 // split the keys (64 each, kKeys 128), or half, where they split the rows (kKeys 64: split columns).
 template <int kRows, int kKeys>
@@ -344,6 +393,14 @@ int main() {
   check_swizzled_tile<128, 96, 32>();
   check_swizzled_tile<64, 192, 32>();
   check_swizzled_tile<128, 192, 32>();
+  // store_fragment: dS^T and P^T (keys, rows) by keys and split (a warpgroup's 32 rows), dK and dV
+  // (keys, d) of 128-byte and 64-byte boxes, whole and split, O (rows, d).
+  check_fragment_store<128, 128, 64, 128>();
+  check_fragment_store<64, 64, 64, 32>();
+  check_fragment_store<128, 64, 64, 64>();
+  check_fragment_store<128, 96, 32, 96>();
+  check_fragment_store<64, 192, 32, 96>();
+  check_fragment_store<64, 256, 64, 128>();
   check_dq_tile<64>();
   check_dq_tile<96>();
   check_dq_tile<128>();

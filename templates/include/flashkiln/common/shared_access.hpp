@@ -47,7 +47,16 @@ __device__ __forceinline__ void load_blocks_transposed(uint32_t address, uint32_
                : "r"(address));
 }
 
-// The inverse (a warp's stmatrix.trans): lane l gives the address of row l % 8 of block l / 8 and,
+// Four 8 x 8 blocks of 2-byte entries as registers hold them (a warp's stmatrix): lane l gives the
+// address of row l % 8 of block l / 8 and, in in[b], the entries (l / 4, 2 (l % 4)) and
+// (l / 4, 2 (l % 4) + 1) of block b; row j of block b receives the block's row j, 16 bytes.
+__device__ __forceinline__ void store_blocks(uint32_t address, uint32_t const (&in)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+               ::"r"(address), "r"(in[0]), "r"(in[1]), "r"(in[2]), "r"(in[3])
+               : "memory");
+}
+
+// The transposed store (a warp's stmatrix.trans): lane l gives the address of row l % 8 of block l / 8 and,
 // in in[b], the entries (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1) of block b as registers hold
 // it; row j of block b receives its column j, entry i from lane 4 i + j / 2.
 __device__ __forceinline__ void store_blocks_transposed(uint32_t address, uint32_t const (&in)[4]) {

@@ -102,14 +102,31 @@ __device__ __forceinline__ void zero_rows(Element* tile, int first, int thread) 
 }
 
 // The fragment `frag` (2-byte entries, accumulator layout) into the tile at shared address `tile`,
-// in boxes of kBoxCols columns.
+// in boxes of kBoxCols columns, with stmatrix: the fragment's 8 x 8 blocks are its rows r0 + 8 e
+// (e < 2, r0 the lane's first) by the columns c0 + 8 k, four at a time (k = 2 q + {0, 1}); lane l
+// gives the address of row l % 8 of block b = l / 8 (e = b % 2, k = 2 q + b / 2), whose swizzle
+// is its own, and the next q's blocks lie 16 columns on (SwizzledPairs' arithmetic).
 template <int kRows, int kBoxCols = 64, class Frag, class Coords>
 __device__ __forceinline__ void store_fragment(Frag const& frag, Coords const& coords, uint32_t tile) {
   static_assert(sizeof(typename Frag::value_type) == 2, "pairs of 2-byte entries");
-  const SwizzledPairs<kRows, false, Coords, kBoxCols> offset(coords);
+  constexpr int kGroups = decltype(size(frag))::value / 8;  // q: 4 blocks of 16 entries, 4 per lane
+  static_assert(kGroups * 8 == decltype(size(frag))::value, "whole stores of four blocks");
+  const int lane = threadIdx.x % 32, b = lane / 8;
+  const int r0 = get<0>(coords(0)), c0 = get<1>(coords(0));
+  const uint32_t base = tile + swizzled_offset<kRows, kBoxCols>(r0 - lane / 4 + 8 * (b % 2) + lane % 8,
+                                                                c0 - 2 * (lane % 4) + 8 * (b / 2));
   CUTE_UNROLL
-  for (int i = 0; i < size(frag); i += 2) {
-    store_shared_u32_at(tile + offset(i), *reinterpret_cast<uint32_t const*>(&frag(i)));
+  for (int q = 0; q < kGroups; ++q) {
+    uint32_t pairs[4];
+    CUTE_UNROLL
+    for (int i = 0; i < size(frag); i += 2) {
+      const int e = (get<0>(coords(i)) - r0) / 8, k = (get<1>(coords(i)) - c0) / 8;
+      if (k / 2 == q) {  // compile-time once unrolled
+        pairs[e + 2 * (k % 2)] = *reinterpret_cast<uint32_t const*>(&frag(i));
+      }
+    }
+    const int dc = 16 * q;
+    store_blocks((dc / kBoxCols) * kRows * kBoxCols * 2 + (base ^ uint32_t((dc % kBoxCols / 8) * 16)), pairs);
   }
 }
 
