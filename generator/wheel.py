@@ -42,18 +42,9 @@ class WheelReport:
     cubin_bytes_per_arch: dict[str, int]
 
 
-def _source_pyproject() -> dict:
-    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-
-
-def _source_extra(flavor: str) -> list[str]:
-    return list(_source_pyproject()["project"]["optional-dependencies"][_EXTRA[flavor]])
-
-
-def _extension_tables() -> str:
-    """The source tree's C modules and wheel tag (pyproject.toml), their sources where the staged
-    package keeps them (runtime/ is flashkiln/ there)."""
-    tool = _source_pyproject()["tool"]
+def _extension_tables(tool: dict) -> str:
+    """The source tree's C modules and wheel tag (its pyproject.toml's `tool` table), their sources
+    where the staged package keeps them (runtime/ is flashkiln/ there)."""
     tables = []
     for module in tool["setuptools"]["ext-modules"]:
         sources = ", ".join(f'"{"flashkiln/" + src.removeprefix("runtime/")}"' for src in module["sources"])
@@ -70,6 +61,7 @@ def local_label(flavor: str, archs: list[str]) -> str:
 
 
 def _stage_pyproject(flavor: str, label: str) -> str:
+    source = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     quoted = lambda items: ", ".join(f'"{i}"' for i in items)  # noqa: E731
     return f"""[build-system]
 requires = ["setuptools>=74.1"]
@@ -83,7 +75,7 @@ requires-python = ">=3.11"
 dependencies = ["torch>=2.4", "{_BINDINGS[flavor]}"]
 
 [project.optional-dependencies]
-generator = [{quoted(_source_extra(flavor))}]
+generator = [{quoted(source["project"]["optional-dependencies"][_EXTRA[flavor]])}]
 
 [tool.setuptools]
 packages = ["flashkiln", "flashkiln.generator", "flashkiln.generator.families"]
@@ -93,7 +85,7 @@ include-package-data = false
 flashkiln = ["kernels/*.cubin", "kernels/manifest.json"]
 "flashkiln.generator" = ["templates/**/*", "specs/**/*"]
 
-{_extension_tables()}"""
+{_extension_tables(source["tool"])}"""
 
 
 def build_wheel(specs_dir: Path, out_dir: Path, workers: int = os.cpu_count() or 1,
