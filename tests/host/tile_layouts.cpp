@@ -52,7 +52,6 @@ static char* shared_window;
 inline uint32_t load_shared_u32_at(uint32_t address) { uint32_t v; memcpy(&v, shared_window + address, 4); return v; }
 inline uint16_t load_shared_u16_at(uint32_t address) { uint16_t v; memcpy(&v, shared_window + address, 2); return v; }
 inline uint4 load_shared_u128_at(uint32_t address) { uint4 v; memcpy(&v, shared_window + address, 16); return v; }
-inline void store_shared_u32_at(uint32_t address, uint32_t value) { memcpy(shared_window + address, &value, 4); }
 
 // ldmatrix.x4.trans as PTX defines it: lane l receives, of block b, entry l / 4 of the rows that
 // lanes 8 b + 2 (l % 4) and 8 b + 2 (l % 4) + 1 gave the addresses of.

@@ -1,4 +1,5 @@
-// 2-, 4- and 16-byte shared-memory accesses by 32-bit shared address (cute::cast_smem_ptr_to_uint). CuTe
+// 2-, 4- and 16-byte shared-memory loads and a warp's 8 x 8 block loads and stores (ldmatrix,
+// stmatrix) by 32-bit shared address (cute::cast_smem_ptr_to_uint). CuTe
 // swizzles a shared pointer by rewriting its integer value; the compiler then no longer knows the
 // pointer is shared and emits generic LD.E / ST.E (64-bit address math, the generic path). These
 // go through the shared window explicitly. Volatile: they must stay ordered with the mbarrier
@@ -32,10 +33,6 @@ __device__ __forceinline__ uint4 load_shared_u128_at(uint32_t address) {
                : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
                : "r"(address));
   return value;
-}
-
-__device__ __forceinline__ void store_shared_u32_at(uint32_t address, uint32_t value) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(value) : "memory");
 }
 
 // Four 8 x 8 blocks of 2-byte entries, transposed (a warp's ldmatrix): lane l gives the address of
