@@ -56,8 +56,9 @@ class BackwardPlan(CallPlan):
         if self.fresh is not None and dq is None and dk is None and dv is None:
             dq, dk, dv, block = inputs.kernel_written(self.fresh.filled, self._fresh_buffers)
             dlse = None if dlse is None else dlse.contiguous()
-            run(self, {**backward_tensors(q, k, v, out, dout, lse.contiguous(), dq, dk, dv, dlse, None, None, None),
-                       **self.scratch_block.addresses(block)})
+            tensors = backward_tensors(q, k, v, out, dout, lse.contiguous(), dq, dk, dv, dlse, None, None, None)
+            self.scratch_block.bind(block, tensors)
+            run(self, tensors)
             return dq, dk, dv
         return self._run(dout, q, k, v, out, lse, dlse, bias, sink, packed, dq, dk, dv)
 

@@ -21,17 +21,14 @@ VISIBILITY_KERNELS = ("fwd", "bwd", "bwd_dq", "bwd_dbias")
 SCORE_KERNELS = ("fwd", "bwd", "bwd_dbias")
 
 
-def _sequence_bounds(packed: PackedBatch | None) -> dict[str, torch.Tensor | None]:
-    return {"cu_seqlens_q": None if packed is None else packed.cu_seqlens_q,
-            "cu_seqlens_k": None if packed is None else packed.cu_seqlens_k}
-
-
 def forward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     bias: torch.Tensor | None, sink: torch.Tensor | None,
                     packed: PackedBatch | None) -> dict[str, torch.Tensor | None]:
     """A forward's tensors by role; `bias` is the tensor the kernels read (its address is the caller's
     when it is used in place)."""
-    return {"q": q, "k": k, "v": v, "o": out, "lse": lse, "bias": bias, "sink": sink, **_sequence_bounds(packed)}
+    return {"q": q, "k": k, "v": v, "o": out, "lse": lse, "bias": bias, "sink": sink,
+            "cu_seqlens_q": None if packed is None else packed.cu_seqlens_q,
+            "cu_seqlens_k": None if packed is None else packed.cu_seqlens_k}
 
 
 @dataclass(frozen=True)
@@ -129,4 +126,5 @@ def backward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      packed: PackedBatch | None) -> dict[str, torch.Tensor | None]:
     """A backward's tensors by role (`bias` the tensor the kernels read, `sink` where they sum its parts)."""
     return {"q": q, "k": k, "v": v, "o": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dlse": dlse,
-            "bias": bias, "sink": sink, **_sequence_bounds(packed)}
+            "bias": bias, "sink": sink, "cu_seqlens_q": None if packed is None else packed.cu_seqlens_q,
+            "cu_seqlens_k": None if packed is None else packed.cu_seqlens_k}

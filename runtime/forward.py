@@ -50,7 +50,7 @@ class ForwardPlan(CallPlan):
             out, lse, block = inputs.kernel_written(self.fresh.filled, self._fresh_buffers, q, v)
             tensors = forward_tensors(q, k, v, out, lse, None, None, None)
             if block is not None:
-                tensors.update(self.scratch_block.addresses(block))
+                self.scratch_block.bind(block, tensors)
             run(self, tensors)
             return out, lse
         return self._run(q, k, v, bias, sink, packed, out, lse)

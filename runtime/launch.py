@@ -165,10 +165,12 @@ class ScratchBlock:
             block[:self.zeroed_bytes].zero_()
         return block
 
-    def addresses(self, block: torch.Tensor) -> dict[str, int]:
-        """Each role's address in `block` (what `run` binds; the kernels need no tensor)."""
+    def bind(self, block: torch.Tensor, tensors: dict[str, torch.Tensor | int | None]) -> None:
+        """Each role's address in `block` put into a call's `tensors` (what `run` binds; the kernels
+        need no tensor), in place: a dict of its own merged into them costs host time."""
         base = block.data_ptr()
-        return {spec.role: base + offset for spec, offset in self.offsets}
+        for spec, offset in self.offsets:
+            tensors[spec.role] = base + offset
 
 
 @dataclass(frozen=True)

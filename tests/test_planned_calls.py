@@ -220,8 +220,9 @@ def test_a_scratch_block_lays_out_every_role_apart_with_the_zeroed_ones_first_an
     counter_only = launch.ScratchBlock.of(specs[1:2])
     assert counter_only.nbytes == counter_only.zeroed_bytes == launch.SCRATCH_ALIGNMENT
     assert not counter_only.allocate(torch.device("cpu")).any()
-    addresses = block.addresses(memory)
-    assert [addresses[spec.role] - memory.data_ptr() for spec, _ in block.offsets] == [o for _, o in block.offsets]
+    tensors = {"q": None}
+    block.bind(memory, tensors)  # into the call's own dict, beside its tensors
+    assert tensors == {"q": None, **{spec.role: memory.data_ptr() + offset for spec, offset in block.offsets}}
 
 
 def test_launches_that_share_a_parameter_block_get_one_binding(registry, fake_gpu):
@@ -320,6 +321,32 @@ def test_the_straight_backward_launches_what_the_full_path_does(registry, fake_g
         assert (mine.shape, mine.stride(), mine.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
     assert [runs[0][role] for role in ("dq", "dk", "dv")] == list(straight)
     assert_same_roles(runs[0], runs[1], outputs=("dq", "dk", "dv"), plan=plan)
+
+
+def test_the_straight_backwards_gradients_are_allocations_of_their_own(registry, fake_gpu, monkeypatch):
+    """dq, dk and dv, each a whole allocation of its own: through the custom op too, whose outputs
+    torch requires to alias no input and no other output (torch.library.custom_op checks their
+    storages on every call, and torch.compile's graphs rely on it), and so that a gradient kept
+    (autograd's AccumulateGrad keeps the tensor itself as .grad) holds no memory but its own."""
+    q, k, v = qkv()
+    dout, out, lse = backward_arguments(q)
+    plan = backward_plan(registry, q, k, v)
+    monkeypatch.setattr(backward, "PLANS", backward.PlanCache())
+    monkeypatch.setattr(backward, "plan_backward", lambda *a: plan)
+    runs = recorded_runs(monkeypatch, backward)
+    direct = flashkiln.attention_backward(dout, q, k, v, out, lse)
+    through_op = ops.attention_backward_op(dout, q, k, v, out, lse, None, None, False, None, False, "none", 0.125,
+                                           None)[:3]
+    assert len(runs) == 2
+    inputs_storage = {t.untyped_storage().data_ptr() for t in (q, k, v, out, dout, lse)}
+    for grads, tensors in ((direct, runs[0]), (through_op, runs[1])):
+        assert [tensors[role] for role in ("dq", "dk", "dv")] == list(grads)
+        storages = [g.untyped_storage() for g in grads]
+        assert len({s.data_ptr() for s in storages} | inputs_storage) == len(storages) + len(inputs_storage)
+        for grad, storage in zip(grads, storages):
+            assert (grad.data_ptr(), grad.numel() * grad.element_size()) == (storage.data_ptr(), storage.nbytes())
+            for spec in plan.scratch:  # the scratch block lies outside every gradient
+                assert not storage.data_ptr() <= tensors[spec.role] < storage.data_ptr() + storage.nbytes()
 
 
 def fills_of_straight_run(monkeypatch, deterministic: bool, make_plan, call) -> list[bool]:
