@@ -581,6 +581,34 @@ def test_bwd_dbias_walks_tiles_of_few_members_with_a_cta_count_prime_to_the_key_
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("bias_shape, route_set", [
+    ((2, 2, 64, 64), "ds_workspace"),  # full
+    ((2, 2, 1, 64), "dbias_columns"), ((1, 1, 1, 64), "dbias_columns"),  # broadcast over rows
+    ((1, 2, 64, 64), "dbias_sum"), ((2, 1, 64, 64), "dbias_sum"), ((1, 1, 64, 64), "dbias_sum"),  # shared
+])
+def test_a_dbias_kernel_gets_exactly_one_dbias_route(monkeypatch, bias_shape, route_set, deterministic):
+    """A bias_grad kernel picks its consumers' dBias route from which of ds_workspace, dbias_columns
+    and dbias_sum is set (hopper/bwd_kernel.hpp, DbiasRoute), taking the shared sum when neither of
+    the first two is: exactly one is set, the one for the bias's broadcast shape."""
+    from types import SimpleNamespace
+
+    class Registry:  # no bwd_dbias, so that a shared bias's dBias is the main kernel's sum
+        def has(self, request, capability):
+            return request["kernel"] != "bwd_dbias"
+
+        def find(self, request, capability, smem_limit=None):
+            return SimpleNamespace(descriptor={"tile_m": 64, "tile_n": 128, **request})
+
+    monkeypatch.setattr(tma, "_encoded", lambda shape, dtype: (0,) * 16)  # no driver here
+    call = _backward_call(deterministic=deterministic, bias_shape=bias_shape, bias_grad=True, batch=2)
+    launches = hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), ScratchSet(call.q.device)).launches
+    main = next(launch for launch in launches if launch.entry.descriptor["kernel"] == "bwd")
+    assert main.entry.descriptor["bias_grad"] is True
+    routes = ("ds_workspace", "dbias_columns", "dbias_sum")
+    assert [route for route in routes if getattr(main.params, route) != 0] == [route_set]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("with_dbias_kernel", [False, True])
 def test_a_shared_bias_dbias_is_summed_per_tile_or_in_the_main_kernel(monkeypatch, with_dbias_kernel, deterministic):
     """Where the registry has bwd_dbias, it gives a shared bias's dBias (after the main kernel,

@@ -343,10 +343,10 @@ __device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int 
   }
 }
 
-// How a bias_grad kernel's consumers give dBias of a key-varying bias (one route per call): dS
-// stored (a full bias: p.ds_workspace), summed over rows (a bias broadcast over rows:
-// p.dbias_columns), or added into a plane that several (batch entry, head) pairs share
-// (p.dbias_sum). kNone without bias_grad.
+// How a bias_grad kernel's consumers give dBias of a key-varying bias: dS stored (a full bias:
+// p.ds_workspace), summed over rows (a bias broadcast over rows: p.dbias_columns), or added into a
+// plane that several (batch entry, head) pairs share (p.dbias_sum). The runtime sets exactly one
+// of the three for such a kernel (hopper_family.plan_backward). kNone without bias_grad.
 enum class DbiasRoute { kNone, kStore, kColumns, kSum };
 
 // kSinkGrad: the call wants dSink's sums (p.dsink_parts); kRoute: its dBias route. Template
