@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -431,6 +432,21 @@ def _backward_call(causal: str = "none", deterministic: bool = False, bias_shape
     return BackwardCall(dout, q, k, v, out, torch.zeros(batch, 2, 64), q, k, v, causal, 0.1, deterministic, **extra)
 
 
+class _KernelsAt64x128:
+    """A registry for the backward planners: every kernel they ask for, at 64 x 128 tiles, and
+    bwd_dbias only `with_dbias_kernel`."""
+
+    def __init__(self, with_dbias_kernel: bool):
+        self.with_dbias_kernel = with_dbias_kernel
+
+    def has(self, request, capability):
+        return self.with_dbias_kernel or request["kernel"] != "bwd_dbias"
+
+    def find(self, request, capability, smem_limit=None):
+        assert self.has(request, capability)
+        return SimpleNamespace(descriptor={"tile_m": 64, "tile_n": 128, **request})
+
+
 def _plan_hopper_backward(call, registry=None):
     return hopper_family.plan_backward(call, fake_target((9, 0)), registry, ScratchSet(call.q.device))
 
@@ -590,18 +606,10 @@ def test_a_dbias_kernel_gets_exactly_one_dbias_route(monkeypatch, bias_shape, ro
     """A bias_grad kernel picks its consumers' dBias route from which of ds_workspace, dbias_columns
     and dbias_sum is set (hopper/bwd_kernel.hpp, DbiasRoute), taking the shared sum when neither of
     the first two is: exactly one is set, the one for the bias's broadcast shape."""
-    from types import SimpleNamespace
-
-    class Registry:  # no bwd_dbias, so that a shared bias's dBias is the main kernel's sum
-        def has(self, request, capability):
-            return request["kernel"] != "bwd_dbias"
-
-        def find(self, request, capability, smem_limit=None):
-            return SimpleNamespace(descriptor={"tile_m": 64, "tile_n": 128, **request})
-
     monkeypatch.setattr(tma, "_encoded", lambda shape, dtype: (0,) * 16)  # no driver here
     call = _backward_call(deterministic=deterministic, bias_shape=bias_shape, bias_grad=True, batch=2)
-    launches = hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), ScratchSet(call.q.device)).launches
+    registry = _KernelsAt64x128(with_dbias_kernel=False)  # a shared bias's dBias: the main kernel's sum
+    launches = hopper_family.plan_backward(call, fake_target((9, 0)), registry, ScratchSet(call.q.device)).launches
     main = next(launch for launch in launches if launch.entry.descriptor["kernel"] == "bwd")
     assert main.entry.descriptor["bias_grad"] is True
     routes = ("ds_workspace", "dbias_columns", "dbias_sum")
@@ -614,20 +622,11 @@ def test_a_shared_bias_dbias_is_summed_per_tile_or_in_the_main_kernel(monkeypatc
     """Where the registry has bwd_dbias, it gives a shared bias's dBias (after the main kernel,
     which then has no dBias of its own) into the bias's own planes; else the main kernel adds the
     members' dS into an fp32 sum, taking turns only when deterministic."""
-    from types import SimpleNamespace
-
-    class Registry:
-        def has(self, request, capability):
-            return with_dbias_kernel or request["kernel"] != "bwd_dbias"
-
-        def find(self, request, capability, smem_limit=None):
-            assert self.has(request, capability)
-            return SimpleNamespace(descriptor={"tile_m": 64, "tile_n": 128, **request})
-
+    registry = _KernelsAt64x128(with_dbias_kernel)
     monkeypatch.setattr(tma, "_encoded", lambda shape, dtype: (0,) * 16)  # no driver here
     call = _backward_call(deterministic=deterministic, bias_shape=(1, 2, 64, 64), bias_grad=True, batch=2)
     scratch = ScratchSet(call.q.device)
-    launches = hopper_family.plan_backward(call, fake_target((9, 0)), Registry(), scratch).launches
+    launches = hopper_family.plan_backward(call, fake_target((9, 0)), registry, scratch).launches
     main = launches[1]
     assert main.entry.descriptor["bias_grad"] is not with_dbias_kernel
     total, turns, planes = (scratch.tensors[r] for r in ("dbias_sum", "dbias_semaphore", "dbias_tiles"))
@@ -640,7 +639,7 @@ def test_a_shared_bias_dbias_is_summed_per_tile_or_in_the_main_kernel(monkeypatc
         # most one per SM.
         assert launches[2].grid == (2, 1, 1)
         one_sm = dataclasses.replace(fake_target((9, 0)), multiprocessors=1)
-        launches = hopper_family.plan_backward(call, one_sm, Registry(), ScratchSet(call.q.device)).launches
+        launches = hopper_family.plan_backward(call, one_sm, registry, ScratchSet(call.q.device)).launches
         assert launches[2].grid == (1, 1, 1)
         return
     assert planes is None and len(launches) == 3 and main.params.dbias_sum == total.data_ptr()
