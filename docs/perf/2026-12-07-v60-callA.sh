@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# v60 prepared call A (run by a later session): Z = the full dBias's hidden rows zeroed
-# by an idle producer warp during the sweep (every bias_grad variant: Z d 64 + d 128, Z2 d 96,
-# 192/128, 256) over KR128 (= main's kernels).
-# Bias GPU tests on KZ, dBias A/B KR128 / KZ (two rounds), a copy-bandwidth probe, the whole suite on KZ.
+# v60 prepared call A (run by a later session): main's whole GPU suite (v59 did not run it), the
+# copy-bandwidth probe, then Z (a full dBias's hidden rows zeroed by an idle producer warp; every
+# bias_grad variant: Z d 64 + d 128, Z2 d 96, 192/128, 256) against main: dBias A/B, two rounds,
+# and the bias tests on KZ. KR128 = K + P2 + R + R128 = main's kernels.
 set -u
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -17,16 +17,8 @@ t "overlay rc $?"
 cc -O2 -shared -fPIC -I$(python3 -c "import sysconfig;print(sysconfig.get_paths()['include'])") runtime/_launch.c -o runtime/_launch.abi3.so
 t "launch rc $?"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> $OUT/checks.txt
-FLASHKILN_KERNEL_DIR=$PWD/build/KZ FLASHKILN_REQUIRE_GPU=1 timeout 90 tools/pyenv.sh python3 -m pytest -q -m gpu -x -k bias tests > $OUT/gpu-test-bias-KZ.log 2>&1
-t "bias tests KZ rc $?: $(tail -1 $OUT/gpu-test-bias-KZ.log)"
-ab() {  # label dir sweep dims
-  FLASHKILN_KERNEL_DIR=$2 timeout 60 tools/pyenv.sh python3 tools/time_backward.py $1 --sweep $3 --dims $4 --seqlens 2048 8192 --reps 10 >> $OUT/ab.jsonl 2>> $OUT/ab.err
-}
-for round in 1 2; do
-  ab main $PWD/build/KR128 dbias 64; ab z $PWD/build/KZ dbias 64
-  ab main $PWD/build/KR128 dbias 128; ab z $PWD/build/KZ dbias 128
-  t "ab round $round"
-done
+FLASHKILN_KERNEL_DIR=$PWD/build/KR128 FLASHKILN_REQUIRE_GPU=1 timeout 240 tools/pyenv.sh python3 -m pytest -q -m gpu -rs --maxfail=40 tests > $OUT/gpu-test-main.log 2>&1
+t "suite main (KR128) rc $?: $(tail -1 $OUT/gpu-test-main.log)"
 timeout 60 python3 - > $OUT/copy-bw.txt 2>&1 <<'PY'
 # What this card's HBM gives a stream of equal reads and writes (a full dBias's bias read + dS
 # write), a write-only stream (the hidden rows' zeros) and a read-only one, in TB/s.
@@ -45,5 +37,13 @@ print(f"zero (write)      {rate(lambda: b.zero_(), 2 * n):.2f} TB/s")
 print(f"sum (read)        {rate(lambda: a.sum(), 2 * n):.2f} TB/s")
 PY
 t "copy-bw $(tr '\n' ';' < $OUT/copy-bw.txt)"
-FLASHKILN_KERNEL_DIR=$PWD/build/KZ FLASHKILN_REQUIRE_GPU=1 timeout 240 tools/pyenv.sh python3 -m pytest -q -m gpu -rs --maxfail=40 tests > $OUT/gpu-test-KZ.log 2>&1
-t "suite KZ rc $?: $(tail -1 $OUT/gpu-test-KZ.log)"
+ab() {  # label dir sweep dims
+  FLASHKILN_KERNEL_DIR=$2 timeout 60 tools/pyenv.sh python3 tools/time_backward.py $1 --sweep $3 --dims $4 --seqlens 2048 8192 --reps 10 >> $OUT/ab.jsonl 2>> $OUT/ab.err
+}
+for round in 1 2; do
+  ab main $PWD/build/KR128 dbias 64; ab z $PWD/build/KZ dbias 64
+  ab main $PWD/build/KR128 dbias 128; ab z $PWD/build/KZ dbias 128
+  t "ab round $round"
+done
+FLASHKILN_KERNEL_DIR=$PWD/build/KZ FLASHKILN_REQUIRE_GPU=1 timeout 90 tools/pyenv.sh python3 -m pytest -q -m gpu -x -k bias tests > $OUT/gpu-test-bias-KZ.log 2>&1
+t "bias tests KZ rc $?: $(tail -1 $OUT/gpu-test-bias-KZ.log)"
