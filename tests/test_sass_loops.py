@@ -1,9 +1,16 @@
 """The loops of a function's SASS (generator/sass.py, natural_loops; tools/sass_loops.py) on made-up
 disassembly: nested loops, predicated branches and exits, and a block laid out inside a loop's
-address range that the loop never reaches."""
+address range that the loop never reaches; and the pairing of two builds' loops by their role."""
 from __future__ import annotations
 
+import collections
+import sys
+from pathlib import Path
+
 from flashkiln.generator.sass import Loop, functions, natural_loops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import sass_loops  # noqa: E402  (tools/ is a folder of scripts)
 
 
 def _sass(*lines: str) -> str:
@@ -56,3 +63,20 @@ def test_functions_split_at_each_header():
     parts = functions(text)
     assert list(parts) == ["first", "second"]
     assert len(natural_loops(parts["first"])) == 1 and natural_loops(parts["second"]) == []
+
+
+def _loop(head: int, **opcodes: int) -> Loop:
+    return Loop(head, head + 0x100, collections.Counter(opcodes))
+
+
+def test_loops_are_compared_with_the_other_build_s_loop_of_their_role():
+    """A kernel's loops come smallest first, so a build whose store route grew past its sum route
+    lists them in another order; each still meets its own kind, the closest in size of several."""
+    store, columns, store_sink = (_loop(0x0, HGMMA=32, MUFU=127, FFMA=900), _loop(0x100, HGMMA=32, MUFU=127, ATOMG=2),
+                                  _loop(0x200, HGMMA=32, MUFU=129, FFMA=950))
+    grown_store, grown_store_twin = _loop(0x1000, HGMMA=32, MUFU=127, FFMA=1200), _loop(0x2000, HGMMA=32, MUFU=127)
+    other_build = [columns, store_sink, store, _loop(0x300, HGMMA=32, MUFU=127, FFMA=100)]
+    pairs = sass_loops.paired([columns, grown_store, store_sink, grown_store_twin], other_build)
+    assert pairs == [columns, store, store_sink, other_build[3]]
+    assert sass_loops.paired([_loop(0x0, HGMMA=8, REDG=16)], other_build) == [None]
+    assert "(HGMMA 32 MUFU 127 ATOMG 2)" in sass_loops.describe(columns)

@@ -1,11 +1,14 @@
 """The loops of built kernels' SASS that hold a given opcode (by default HGMMA: the hopper kernels'
-tile loops), with their size, local-memory accesses (spills) and opcode mix; a second build to
+tile loops), with their size, local-memory accesses (spills), role and opcode mix; a second build to
 compare against gives each loop's opcode differences beside the first's. No GPU needed.
 
 Usage: .venv/bin/python tools/sass_loops.py BUILD [--against OTHER_BUILD] [--kernel REGEX] [--opcode HGMMA]
   [--loops 2]
 (BUILD: a `generated/` folder with its manifest.json; kernels by symbol, matched with re.search. Each
-kernel's `--loops` smallest loops that hold the opcode are listed; loops are compared in that order.)
+kernel's `--loops` smallest loops that hold the opcode are listed. A loop is compared with the other
+build's loop of the same role (`role`: its tensor-core, special-function, reduction and atomic
+instruction counts; of several, the closest in size), since the compiler may lay out a kernel's
+loops in another order: a dBias route's loop has its own REDG or ATOMG, a dSink loop more MUFU.)
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from flashkiln.generator.sass import Loop, disassemble, functions, natural_loops
 from flashkiln.manifest import Manifest
 
 _LOCAL = ("LDL", "STL")
+_ROLE = ("HGMMA", "MUFU", "REDG", "ATOMG")
 
 
 def kernel_loops(build: Path, kernel: str, opcode: str, count: int) -> dict[str, list[Loop]]:
@@ -35,9 +39,28 @@ def kernel_loops(build: Path, kernel: str, opcode: str, count: int) -> dict[str,
     return loops
 
 
+def role(loop: Loop) -> tuple[int, ...]:
+    """What tells a loop's work apart from another's of the same kernel: the counts of _ROLE."""
+    return tuple(loop.opcodes[op] for op in _ROLE)
+
+
+def paired(loops: list[Loop], others: list[Loop]) -> list[Loop | None]:
+    """For each of `loops`, in order, an unpaired loop of `others` with its role, the closest in
+    size where several have it; None where none has."""
+    free = list(others)
+    pairs: list[Loop | None] = []
+    for loop in loops:
+        match = min((o for o in free if role(o) == role(loop)), key=lambda o: abs(o.size - loop.size), default=None)
+        if match is not None:
+            free.remove(match)
+        pairs.append(match)
+    return pairs
+
+
 def describe(loop: Loop) -> str:
     local = sum(loop.opcodes[op] for op in _LOCAL)
-    return f"{loop.head:#x}-{loop.tail:#x}: {loop.size} instructions, {local} local accesses"
+    roles = " ".join(f"{op} {n}" for op, n in zip(_ROLE, role(loop)) if n)
+    return f"{loop.head:#x}-{loop.tail:#x}: {loop.size} instructions, {local} local accesses ({roles})"
 
 
 def main() -> None:
@@ -52,10 +75,9 @@ def main() -> None:
     others = kernel_loops(args.against, args.kernel, args.opcode, args.loops) if args.against else {}
     for symbol, found in sorted(loops.items()):
         print(symbol)
-        for i, loop in enumerate(found):
+        for loop, other in zip(found, paired(found, others.get(symbol, []))):
             print(f"  {describe(loop)}")
-            if i < len(others.get(symbol, [])):
-                other = others[symbol][i]
+            if other is not None:
                 delta = collections.Counter(loop.opcodes)
                 delta.subtract(other.opcodes)
                 changes = ", ".join(f"{op} {n:+d}" for op, n in delta.most_common() if n) or "none"
