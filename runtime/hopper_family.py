@@ -157,7 +157,7 @@ def ordered(call: BackwardCall) -> bool:
 
 def staggered_sweep(call: BackwardCall, key_tiles: int, target: Target) -> bool:
     """Whether a deterministic call's key tiles may each start their sweep of the query tiles at
-    their own index (hopper/bwd_kernel.hpp, QuerySweep; the kernel takes it where every key tile
+    their own index (hopper/bwd_schedule.hpp, QuerySweep; the kernel takes it where every key tile
     visits every query tile). A key tile then waits on dQ turns of key tiles launched after it, so
     every key tile of the longest sequence must be able to run at once: the kernel runs one CTA per
     multiprocessor, and half of them are the bound, which leaves room for other streams' kernels

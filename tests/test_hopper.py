@@ -604,7 +604,7 @@ def test_bwd_dbias_walks_tiles_of_few_members_with_a_cta_count_prime_to_the_key_
 ])
 def test_a_dbias_kernel_gets_exactly_one_dbias_route(monkeypatch, bias_shape, route_set, deterministic):
     """A bias_grad kernel picks its consumers' dBias route from which of ds_workspace, dbias_columns
-    and dbias_sum is set (hopper/bwd_kernel.hpp, DbiasRoute), taking the shared sum when neither of
+    and dbias_sum is set (hopper/bwd_mainloop.hpp, DbiasRoute), taking the shared sum when neither of
     the first two is: exactly one is set, the one for the bias's broadcast shape."""
     monkeypatch.setattr(tma, "_encoded", lambda shape, dtype: (0,) * 16)  # no driver here
     call = _backward_call(deterministic=deterministic, bias_shape=bias_shape, bias_grad=True, batch=2)

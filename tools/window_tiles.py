@@ -4,7 +4,7 @@ kernels' visibility rule, flashkiln.visibility).
 
 Usage: tools/pyenv.sh python3 tools/window_tiles.py [--seqlen S] [--windows W ...] [--tiles KIND:MxN ...]
 KIND fwd: a query tile walks the key tiles it sees (hopper/fwd_mainloop.hpp); bwd: a key tile walks
-the query tiles that see it (hopper/bwd_kernel.hpp). Windows (W, W), causal (W, 0), as
+the query tiles that see it (hopper/bwd_schedule.hpp). Windows (W, W), causal (W, 0), as
 tools/time_score_mods.py's.
 """
 from __future__ import annotations

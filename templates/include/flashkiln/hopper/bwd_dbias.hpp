@@ -264,7 +264,7 @@ __device__ __forceinline__ void sum_members(HopperBwdParams const& p, typename T
       store_pending = false;
     }
   };
-  const int warpgroup = __shfl_sync(0xffffffff, thread / 128, 0);  // warp-uniform (bwd_kernel.hpp's consume)
+  const int warpgroup = __shfl_sync(0xffffffff, thread / 128, 0);  // warp-uniform (bwd_mainloop.hpp's consume)
   typename T::TiledMmaSdP mma;
   auto thr = mma.get_thread_slice(warpgroup * 128 + thread % 128);
   Tensor tSrK = thr.partition_fragment_A(make_tensor(make_smem_ptr(ss.k), typename T::SmemLayoutK{}));

@@ -65,7 +65,7 @@ struct HopperBwdParams {
   float softcap_scale;                          // as in HopperFwdParams
   int32_t keys_complete;                        // as in BwdParams
   // Deterministic: a key tile may start its sweep of the query tiles at its own index
-  // (hopper/bwd_kernel.hpp, QuerySweep), since each sequence's key tiles all run at once.
+  // (hopper/bwd_schedule.hpp, QuerySweep), since each sequence's key tiles all run at once.
   int32_t staggered_sweep;
   int32_t dkv_sums;  // dk_accum and dv_accum hold sums per KV head
   int32_t _pad[13];  // sizeof is a multiple of 64 (the maps' alignment): spelled out for the mirror

@@ -41,7 +41,7 @@ template <class Element_, int kDimQK_, int kDimV_, int kBlockM_, int kBlockN_, i
           bool kBias_, bool kWindow_, bool kSoftcap_, bool kBiasGrad_>
 struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   using Element = Element_;
-  // dBias of a key-varying bias from dS (bwd_kernel.hpp): its own entry point, so that the code
+  // dBias of a key-varying bias from dS (bwd_mainloop.hpp): its own entry point, so that the code
   // that writes or reduces dS leaves the registers of the kernel without it alone.
   static constexpr bool kBiasGrad = kBiasGrad_;
   static_assert(!kBiasGrad || kBias_, "dBias needs a bias");
@@ -181,7 +181,7 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
 
   // Per query tile: LSE (in base 2; +inf for rows past the sequence, whose P is then 0), delta, and
   // with a sink its weight in the row's softmax, exp(sink - LSE) (dSink's factor; 0 past the end);
-  // each consumer thread loads kStatSlots of them (bwd_kernel.hpp, row_stat).
+  // each consumer thread loads kStatSlots of them (bwd_mainloop.hpp, row_stat).
   template <bool kSinkGrad>
   static constexpr int kStatSlots = ((kSinkGrad ? 3 : 2) * kBlockM + kConsumerThreads - 1) / kConsumerThreads;
   struct RowStats {
