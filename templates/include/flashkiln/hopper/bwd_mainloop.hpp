@@ -1,7 +1,8 @@
 // The Hopper backward's consumers (bwd_kernel.hpp): two warpgroups that keep the key tile's dK
 // and dV in registers over the sweep, split by keys or by columns (bwd_traits.hpp), and per query
 // tile compute S^T and dP^T from shared memory, P^T and dS^T in registers, dV and dK from them,
-// and dQ = dS K, which they stage for their dQ writer (bwd_writers.hpp); then dK and dV.
+// and dQ = dS K, which they stage for their dQ writer (bwd_writers.hpp); after the sweep they
+// write dK and dV.
 #pragma once
 
 #include <cute/tensor.hpp>
