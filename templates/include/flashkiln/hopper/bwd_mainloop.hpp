@@ -79,12 +79,31 @@ __device__ __forceinline__ void store_row_stat(typename T::RowStats& stats, int 
 // How a bias_grad kernel's consumers give dBias of a key-varying bias: dS stored (a full bias:
 // p.ds_workspace), summed over rows (a bias broadcast over rows: p.dbias_columns), or added into a
 // plane that several (batch entry, head) pairs share (p.dbias_sum). The runtime sets exactly one
-// of the three for such a kernel (hopper_family.plan_backward). kNone without bias_grad.
-enum class DbiasRoute { kNone, kStore, kColumns, kSum };
+// of the three for such a kernel (hopper_family.plan_backward). kNone without bias_grad; kAny: one
+// loop for every route, which reads the call's from those pointers (BwdTraits::kRouteLoops).
+enum class DbiasRoute { kNone, kStore, kColumns, kSum, kAny };
+
+// Whether consumers instantiated for kRoute hold `route`'s code, and whether they take it on this call.
+template <DbiasRoute kRoute>
+__host__ __device__ constexpr bool may_take(DbiasRoute route) {
+  return kRoute == route || kRoute == DbiasRoute::kAny;
+}
+
+template <DbiasRoute kRoute>
+__device__ __forceinline__ bool takes(DbiasRoute route, HopperBwdParams const& p) {
+  if constexpr (kRoute == DbiasRoute::kAny) {
+    switch (route) {
+      case DbiasRoute::kStore: return p.ds_workspace != 0;
+      case DbiasRoute::kColumns: return p.dbias_columns != 0;
+      default: return p.dbias_sum != 0;
+    }
+  }
+  return kRoute == route;
+}
 
 // kSinkGrad: the call wants dSink's sums (p.dsink_parts); kRoute: its dBias route. Template
 // parameters, chosen once per CTA (bwd_kernel), not branches in the loop: each combination's
-// registers are allocated for its own work (docs/perf.md, v19 and v59).
+// registers are allocated for its own work (docs/perf.md, v19 and v59), where that is faster.
 template <class T, bool kSinkGrad, DbiasRoute kRoute>
 __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::SharedStorage& ss, Sequence const& s,
                                         int thread, int n_block, int head) {
@@ -359,67 +378,71 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
         acc_dp(i) *= float(slopes(i)) * p.softcap_scale;
       }
     }
-    if constexpr (kRoute == DbiasRoute::kColumns) {
-      // The tile's sums over its rows of this thread's two keys, then over the lanes that hold
-      // the same keys (lane / 4), added by one of them: the adds of an address come from one
-      // thread in tile order, so the sums are deterministic. Where the warpgroups split the
-      // rows, both hold every key: the second's sums join the first's through the tile's dS
-      // buffer (free until its dS is stored), and the first adds them.
-      float sums[2] = {0.f, 0.f};
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dp); ++i) {
-        sums[(get<0>(cS(i)) - get<0>(cS(0))) / 8] += acc_dp(i);  // compile-time index once unrolled
-      }
-      CUTE_UNROLL
-      for (int g = 0; g < 2; ++g) {
-        sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 1);
-        sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 2);
-      }
-      const bool adder = thread % 4 == 0 && (!T::kSplitColumns || warpgroup == 0);
-      if constexpr (T::kSplitColumns) {
-        float* const key_sums = reinterpret_cast<float*>(ss.ds.tiles + buffer * T::kElemsdS);  // per key of the tile
-        if (warpgroup == 1 && thread % 4 == 0) {
-          key_sums[get<0>(cS(0))] = sums[0];
-          key_sums[get<0>(cS(0)) + 8] = sums[1];
+    if constexpr (may_take<kRoute>(DbiasRoute::kColumns)) {
+      if (takes<kRoute>(DbiasRoute::kColumns, p)) {
+        // The tile's sums over its rows of this thread's two keys, then over the lanes that hold
+        // the same keys (lane / 4), added by one of them: the adds of an address come from one
+        // thread in tile order, so the sums are deterministic. Where the warpgroups split the
+        // rows, both hold every key: the second's sums join the first's through the tile's dS
+        // buffer (free until its dS is stored), and the first adds them.
+        float sums[2] = {0.f, 0.f};
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dp); ++i) {
+          sums[(get<0>(cS(i)) - get<0>(cS(0))) / 8] += acc_dp(i);  // compile-time index once unrolled
         }
-        named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
-        if (adder) {
-          sums[0] += key_sums[get<0>(cS(0))];
-          sums[1] += key_sums[get<0>(cS(0)) + 8];
+        CUTE_UNROLL
+        for (int g = 0; g < 2; ++g) {
+          sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 1);
+          sums[g] += __shfl_xor_sync(0xffffffff, sums[g], 2);
         }
-        named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);  // read before dS is stored there
-      }
-      CUTE_UNROLL
-      for (int g = 0; g < 2; ++g) {
-        const int key = key0 + get<0>(cS(0)) + 8 * g;  // this thread's keys: its first and 8 on
-        if (adder && key < s.seqlen_k) {
-          const int64_t row = (int64_t(s.batch) * p.heads_q + head) * p.seqlen_k;
-          atomicAdd(reinterpret_cast<float*>(p.dbias_columns) + row + key, sums[g]);
+        const bool adder = thread % 4 == 0 && (!T::kSplitColumns || warpgroup == 0);
+        if constexpr (T::kSplitColumns) {
+          float* const key_sums = reinterpret_cast<float*>(ss.ds.tiles + buffer * T::kElemsdS);  // per key of the tile
+          if (warpgroup == 1 && thread % 4 == 0) {
+            key_sums[get<0>(cS(0))] = sums[0];
+            key_sums[get<0>(cS(0)) + 8] = sums[1];
+          }
+          named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+          if (adder) {
+            sums[0] += key_sums[get<0>(cS(0))];
+            sums[1] += key_sums[get<0>(cS(0)) + 8];
+          }
+          named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);  // read before dS is stored there
+        }
+        CUTE_UNROLL
+        for (int g = 0; g < 2; ++g) {
+          const int key = key0 + get<0>(cS(0)) + 8 * g;  // this thread's keys: its first and 8 on
+          if (adder && key < s.seqlen_k) {
+            const int64_t row = (int64_t(s.batch) * p.heads_q + head) * p.seqlen_k;
+            atomicAdd(reinterpret_cast<float*>(p.dbias_columns) + row + key, sums[g]);
+          }
         }
       }
     }
     ds_regs = convert_fragment<Element>(acc_dp);
-    if constexpr (kRoute == DbiasRoute::kSum) {
-      const int ld = ds_ld();
-      float* const plane = reinterpret_cast<float*>(p.dbias_sum) +
-                           int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ld;
-      cutlass::NumericArrayConverter<float, Element, 2> convert;
-      const bool turns = p.dbias_semaphore != 0;  // deterministic: a turn per tile (pass_dbias_turns)
-      if (turns) {
-        Barrier::wait(&ss.dbias_turn, i % 2);
-      }
-      // One 16-byte reduction per four keys (ld is a multiple of 8, so all four lie inside).
-      for_quads_of_transposed(ds_regs, cS, [&](int row, int key, uint32_t low, uint32_t high) {
-        row += row0;
-        key += key0;
-        if (row < s.seqlen_q && key < ld) {
-          const auto a = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(low));
-          const auto b = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(high));
-          reduce_add_quad(plane + int64_t(row) * ld + key, a[0], a[1], b[0], b[1]);
+    if constexpr (may_take<kRoute>(DbiasRoute::kSum)) {
+      if (takes<kRoute>(DbiasRoute::kSum, p)) {
+        const int ld = ds_ld();
+        float* const plane = reinterpret_cast<float*>(p.dbias_sum) +
+                             int64_t(dbias_share(p, s.batch, head).slice) * p.seqlen_q * ld;
+        cutlass::NumericArrayConverter<float, Element, 2> convert;
+        const bool turns = p.dbias_semaphore != 0;  // deterministic: a turn per tile (pass_dbias_turns)
+        if (turns) {
+          Barrier::wait(&ss.dbias_turn, i % 2);
         }
-      });
-      if (turns) {
-        Barrier::arrive(&ss.dbias_done);
+        // One 16-byte reduction per four keys (ld is a multiple of 8, so all four lie inside).
+        for_quads_of_transposed(ds_regs, cS, [&](int row, int key, uint32_t low, uint32_t high) {
+          row += row0;
+          key += key0;
+          if (row < s.seqlen_q && key < ld) {
+            const auto a = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(low));
+            const auto b = convert(reinterpret_cast<cutlass::Array<Element, 2> const&>(high));
+            reduce_add_quad(plane + int64_t(row) * ld + key, a[0], a[1], b[0], b[1]);
+          }
+        });
+        if (turns) {
+          Barrier::arrive(&ss.dbias_done);
+        }
       }
     }
     // dS into the stage's bias tile (dQ's operand with kDsInBiasTile; a full bias's dBias, which
@@ -435,8 +458,10 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
       ds = ss.bias.tiles + st.stage * T::kElemsBias;
       store_in_bias_tile(ds);
     } else {
-      if constexpr (kRoute == DbiasRoute::kStore) {
-        store_in_bias_tile(ss.bias.tiles + st.stage * T::kElemsBias);
+      if constexpr (may_take<kRoute>(DbiasRoute::kStore)) {
+        if (takes<kRoute>(DbiasRoute::kStore, p)) {
+          store_in_bias_tile(ss.bias.tiles + st.stage * T::kElemsBias);
+        }
       }
       ds = ss.ds.tiles + buffer * T::kElemsdS;
       store_fragment<T::kBlockN>(ds_regs, cS, cute::cast_smem_ptr_to_uint(ds));
@@ -493,20 +518,22 @@ __device__ __forceinline__ void consume(HopperBwdParams const& p, typename T::Sh
     timeline_clock(kSweepEndClock);
   }
 
-  if constexpr (kRoute == DbiasRoute::kStore) {
-    // The rows of the query tiles that do not see this key tile: dS = 0, in 16-byte pieces.
-    Element* const plane = reinterpret_cast<Element*>(p.ds_workspace) + ds_plane();
-    const int ld = ds_ld();
-    constexpr int kPieces = T::kBlockN / 8;
-    const int skipped_before = min(sweep.first * T::kBlockM, s.seqlen_q);
-    const int visited_end = max(skipped_before, min((sweep.first + sweep.count) * T::kBlockM, s.seqlen_q));
-    const int skipped = skipped_before + s.seqlen_q - visited_end;
-    for (int i = thread; i < skipped * kPieces; i += T::kConsumerThreads) {
-      const int n = i / kPieces;
-      const int row = n < skipped_before ? n : visited_end + n - skipped_before;
-      const int key = key0 + i % kPieces * 8;
-      if (key < ld) {
-        *reinterpret_cast<uint4*>(plane + int64_t(row) * ld + key) = make_uint4(0, 0, 0, 0);
+  if constexpr (may_take<kRoute>(DbiasRoute::kStore)) {
+    if (takes<kRoute>(DbiasRoute::kStore, p)) {
+      // The rows of the query tiles that do not see this key tile: dS = 0, in 16-byte pieces.
+      Element* const plane = reinterpret_cast<Element*>(p.ds_workspace) + ds_plane();
+      const int ld = ds_ld();
+      constexpr int kPieces = T::kBlockN / 8;
+      const int skipped_before = min(sweep.first * T::kBlockM, s.seqlen_q);
+      const int visited_end = max(skipped_before, min((sweep.first + sweep.count) * T::kBlockM, s.seqlen_q));
+      const int skipped = skipped_before + s.seqlen_q - visited_end;
+      for (int i = thread; i < skipped * kPieces; i += T::kConsumerThreads) {
+        const int n = i / kPieces;
+        const int row = n < skipped_before ? n : visited_end + n - skipped_before;
+        const int key = key0 + i % kPieces * 8;
+        if (key < ld) {
+          *reinterpret_cast<uint4*>(plane + int64_t(row) * ld + key) = make_uint4(0, 0, 0, 0);
+        }
       }
     }
   }
@@ -602,6 +629,8 @@ __device__ __forceinline__ void consume_routed(HopperBwdParams const& p, typenam
                                                Sequence const& s, int thread, int n_block, int head) {
   if constexpr (!T::kBiasGrad) {
     consume<T, kSinkGrad, DbiasRoute::kNone>(p, ss, s, thread, n_block, head);
+  } else if constexpr (!T::kRouteLoops) {
+    consume<T, kSinkGrad, DbiasRoute::kAny>(p, ss, s, thread, n_block, head);
   } else if (p.ds_workspace != 0) {
     consume<T, kSinkGrad, DbiasRoute::kStore>(p, ss, s, thread, n_block, head);
   } else if (p.dbias_columns != 0) {

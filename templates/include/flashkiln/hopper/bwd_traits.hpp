@@ -54,6 +54,10 @@ struct BwdTraits : ScoreMods<kCausal_, kBias_, kWindow_, kSoftcap_> {
   static constexpr int kConsumerWarpgroups = kBwdConsumerWarpgroups;
   static constexpr bool kSplitColumns = kBlockN == 64;
   static constexpr bool kDsInBiasTile = kBias_ && !kSplitColumns;
+  // dBias kernels: a consumer loop per dBias route (bwd_mainloop.hpp, consume_routed) where that
+  // measured faster, the 128-row tiles of d 64 (7.9-9.5% on the full bias's row); else one loop
+  // for every route, as the route loops ran 17-43% slower at d 128 (docs/perf.md v59, v60).
+  static constexpr bool kRouteLoops = kBlockM == 128;
   static_assert(kBlockN == 64 * kConsumerWarpgroups || kSplitColumns, "keys split 64 per warpgroup, or columns");
   // The warpgroups' grid over S^T (keys, rows): by keys, or by rows where they split columns.
   static constexpr int kSdPWarpgroupsN = kSplitColumns ? kConsumerWarpgroups : 1;
