@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # v60 call D: F = the dBias kernels above d 64 back on one consumer loop for every route (kAny:
 # v58's loop; v59's route loops spilled there), over KM (main at v60). A/B KP2 (v58) / KM / KF on
-# d 128's dbias, row-dbias and shared-dbias rows, then the bias tests on KF.
+# d 128's full dbias; KF on the row-dbias and shared-dbias rows (callB has v58 and main's); the bias tests on KF.
 set -u
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -15,8 +15,10 @@ t "setup rc $?"
 ab() {  # label dir sweep dims
   FLASHKILN_KERNEL_DIR=$2 timeout 60 tools/pyenv.sh python3 tools/time_backward.py $1 --sweep $3 --dims $4 --seqlens 2048 8192 --reps 10 >> $OUT/ab.jsonl 2>> $OUT/ab.err
 }
-for sweep in dbias row-dbias shared-dbias; do
-  ab v58 $PWD/build/KP2 $sweep 128; ab main $PWD/build/KM $sweep 128; ab fix $PWD/build/KF $sweep 128
+ab v58 $PWD/build/KP2 dbias 128; ab main $PWD/build/KM dbias 128; ab fix $PWD/build/KF dbias 128
+t "ab dbias"
+for sweep in row-dbias shared-dbias; do  # v58 and main: callB's rows
+  ab fix $PWD/build/KF $sweep 128
   t "ab $sweep"
 done
 FLASHKILN_KERNEL_DIR=$PWD/build/KF FLASHKILN_REQUIRE_GPU=1 timeout 90 tools/pyenv.sh python3 -m pytest -q -m gpu -x -k bias tests > $OUT/gpu-test-bias-KF.log 2>&1
