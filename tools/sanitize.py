@@ -2,10 +2,13 @@
 compute-sanitizer (memcheck, racecheck).
 
 Run on a GPU machine: compute-sanitizer --tool memcheck tools/pyenv.sh python3 tools/sanitize.py
-(set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation).
+(set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation). `--only dense`
+or `--only packed` runs one of the two case lists, so that memcheck's slow passes can run side by
+side in two processes.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from unittest import mock
@@ -78,8 +81,13 @@ def backward_on_every_route(out, q, k, v, lse, bias, **kwargs) -> list[torch.Ten
 
 
 def main() -> int:
-    limit = int(sys.argv[1]) if len(sys.argv) > 1 else len(CASES)
-    for b, hq, hkv, sq, sk, d, causal, bias_shape, mods in CASES[:limit]:
+    parser = argparse.ArgumentParser(description="Ragged forward and backward calls for compute-sanitizer.")
+    parser.add_argument("limit", nargs="?", type=int, default=len(CASES), help="the first N cases of each list")
+    parser.add_argument("--only", choices=("dense", "packed"), help="one case list (default: both)")
+    args = parser.parse_args()
+    dense = CASES[:args.limit] if args.only != "packed" else []
+    packed_cases = PACKED_CASES[:args.limit] if args.only != "dense" else []
+    for b, hq, hkv, sq, sk, d, causal, bias_shape, mods in dense:
         d_qk, d_v = d if isinstance(d, tuple) else (d, d)
         q = torch.randn(b, hq, sq, d_qk, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, sk, d_qk, device="cuda", dtype=torch.bfloat16)
@@ -92,7 +100,7 @@ def main() -> int:
         finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
         print(f"B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} d={d} causal={causal} bias={bias_shape} {mods}: "
               f"finite={finite}", flush=True)
-    for lengths_q, lengths_k, hq, hkv, d, causal, with_bias in PACKED_CASES[:limit]:
+    for lengths_q, lengths_k, hq, hkv, d, causal, with_bias in packed_cases:
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                       for n in (lengths_q, lengths_k))
         packed = flashkiln.PackedBatch(cu_q, cu_k, max(lengths_q), max(lengths_k))
