@@ -9,6 +9,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$root/build/pypath"
 farm=$(mktemp -d "$root/build/pypath/call.XXXXXX")
 trap 'rm -rf "$farm"' EXIT
+trap 'exit 130' INT  # so that the farm goes when `timeout` or ^C stops the call
+trap 'exit 143' TERM
 mkdir "$farm/flashkiln"
 for f in "$root"/runtime/*; do ln -s "$f" "$farm/flashkiln/"; done
 ln -s "$root/generator" "$farm/flashkiln/generator"
