@@ -10,6 +10,7 @@ import torch
 from . import dq_routes, families, inputs
 from .bias import KernelBias, bias_gradient, key_constant_gradient, prepare_bias
 from .calls import BackwardCall, backward_tensors
+from .forward import ForwardPlan
 from .head_dims import kernel_dims, padded
 from .launch import CallPlan, Target, allocate_all, load_kernels, run
 from .plan_cache import PlanCache, packed_key, storage_key, tensor_key, value_key
@@ -316,6 +317,26 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         if key is not None:
             PLANS.put(key, plan)
     return plan.run(dout, q, k, v, out, lse, dlse, bias, sink, packed, dq, dk, dv)
+
+
+def backward_after(forward_plan: ForwardPlan, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: str | None,
+                   window_size: tuple[int, int] | None, softcap: float | None, scale: float | None,
+                   deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_backward(dout, q, k, v, out, lse, ...) of a dense call without bias or sink, where q, k,
+    v and these score arguments are those of a forward call that ran `forward_plan` (with the default
+    registry and backend) and made out and lse itself: autograd's eager backward (flashkiln.ops).
+    Such a call's plan depends on the forward's key and on dout, deterministic and the settings the
+    backward reads at planning alone, so it is cached on the forward plan by those: the other five
+    tensors' keys are not read again."""
+    key = (tensor_key(dout), type(deterministic), deterministic, torch.are_deterministic_algorithms_enabled(),
+           dq_routes.settings())
+    plan = forward_plan.backward_plans.get(key)
+    if plan is None:
+        plan = plan_backward(dout, q, k, v, out, lse, None, causal, window_size, softcap, scale, None, False, None,
+                             False, deterministic, None, None, None, None, False, None, None)
+        forward_plan.backward_plans[key] = plan
+    return plan.run(dout, q, k, v, out, lse, None, None, None, None, None, None, None)
 
 
 def _check_gradient_buffers(buffers: tuple[torch.Tensor | None, ...], likes: tuple[torch.Tensor, ...],

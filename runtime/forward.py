@@ -1,9 +1,10 @@
 """The attention forward: checks and planning (cached per call key), then the plan's run."""
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple
+from typing import Any, Hashable, NamedTuple
 
 import torch
 
@@ -41,6 +42,12 @@ class ForwardPlan(CallPlan):
     # Calls that need nothing but fresh outputs, scratch and the launches (a dense batch, no bias,
     # sink, padded head dims or layout copies) take run's direct path.
     fresh: FreshOutputs | None = None
+
+    @functools.cached_property
+    def backward_plans(self) -> dict[Hashable, Any]:
+        """Plans of the backward calls on outputs of this plan's calls (flashkiln.backward.backward_after),
+        by what such a call adds to this plan's key."""
+        return {}
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
             sink: torch.Tensor | None, packed: PackedBatch | None, out: torch.Tensor | None = None,
@@ -224,16 +231,29 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
 
     Plans are cached per call key (flashkiln.plan_cache): a repeated call runs only its launch.
     """
-    key = None
     if out is None and lse is None:
-        try:
-            key = _key(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, registry, backend)
-        except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what is wrong
-            key = None
+        plan = cached_plan(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, registry, backend)
+    else:  # given buffers: planned every time (flashkiln.plan_cache)
+        plan = plan_forward(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, out, lse, registry,
+                            backend)
+    return plan.run(q, k, v, bias, sink, packed, out, lse)
+
+
+def cached_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str | None = None,
+                window_size: tuple[int, int] | None = None, softcap: float | None = None,
+                scale: float | None = None, bias: torch.Tensor | None = None, sink: torch.Tensor | None = None,
+                packed: PackedBatch | None = None, registry: KernelRegistry | None = None,
+                backend: str | None = None) -> ForwardPlan:
+    """The plan of an attention_forward call that makes its own out and lse, from the plan cache
+    (planned and stored on a miss); raises what the call would."""
+    try:
+        key = _key(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, registry, backend)
+    except (AttributeError, TypeError):  # not tensors (or unhashable): the checks say what is wrong
+        key = None
     plan = None if key is None else PLANS.get(key)
     if plan is None:
-        plan = plan_forward(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, out, lse, registry,
+        plan = plan_forward(q, k, v, causal, window_size, softcap, scale, bias, sink, packed, None, None, registry,
                             backend)
         if key is not None:
             PLANS.put(key, plan)
-    return plan.run(q, k, v, bias, sink, packed, out, lse)
+    return plan

@@ -15,10 +15,10 @@ from typing import Optional, Sequence
 import torch
 
 from . import inputs as checks
-from .backward import attention_backward
+from .backward import attention_backward, backward_after
 from .bias import additive, empty_bias_gradient
 from .errors import InvalidInputError, UnsupportedError
-from .forward import attention_forward
+from .forward import attention_forward, cached_plan
 from .varlen import PackedBatch, as_batched, as_tokens
 
 
@@ -189,8 +189,9 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _EagerCall, q, k, v, *optional):
         bias, sink, packed = call.split(optional)
-        out, lse = attention_forward(q, k, v, bias=bias, sink=sink, packed=packed, **call.scores)
-        ctx.call = call
+        plan = cached_plan(q, k, v, bias=bias, sink=sink, packed=packed, **call.scores)
+        out, lse = plan.run(q, k, v, bias, sink, packed)
+        ctx.call, ctx.plan = call, plan
         ctx.save_for_backward(q, k, v, out, lse, *optional)
         return out
 
@@ -199,8 +200,8 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, *optional = ctx.saved_tensors
         call: _EagerCall = ctx.call
         if not optional:  # a dense call without bias or sink: three gradients, then the call's None
-            return None, *attention_backward(dout, q, k, v, out, lse, deterministic=call.deterministic,
-                                             **call.scores)
+            return None, *backward_after(ctx.plan, dout, q, k, v, out, lse, deterministic=call.deterministic,
+                                         **call.scores)
         bias, sink, packed = call.split(optional)
         wanted = ctx.needs_input_grad[4:4 + call.has_bias + call.has_sink]  # bias's, then sink's
         bias_grad = call.has_bias and wanted[0]

@@ -349,6 +349,36 @@ def test_the_straight_backwards_gradients_are_allocations_of_their_own(registry,
                 assert not storage.data_ptr() <= tensors[spec.role] < storage.data_ptr() + storage.nbytes()
 
 
+def test_the_eager_backward_plan_is_cached_on_the_forward_plan(registry, fake_gpu, monkeypatch):
+    """backward_after plans as attention_backward does, once per forward plan and per what the
+    backward adds to its key (dout's layout, deterministic, torch's flag)."""
+    q, k, v = qkv()
+    planned = []
+    plan = backward_plan(registry, q, k, v)
+    monkeypatch.setattr(backward, "PLANS", types.SimpleNamespace(get=lambda key: None, put=lambda key, plan: None))
+    monkeypatch.setattr(backward, "plan_backward", lambda *args: planned.append(args) or plan)
+    runs = recorded_runs(monkeypatch, backward)
+    dout, out, lse = backward_arguments(q)
+    first, second = forward_plan(registry, q, k, v), forward_plan(registry, q, k, v)
+
+    def call(forward_plan, dout, deterministic=None):
+        return backward.backward_after(forward_plan, dout, q, k, v, out, lse, causal=None, window_size=None,
+                                       softcap=None, scale=0.125, deterministic=deterministic)
+
+    grads = call(first, dout)
+    call(first, torch.randn_like(dout))  # a hit: same layout
+    assert len(planned) == 1 and len(runs) == 2 and [runs[0][r] for r in ("dq", "dk", "dv")] == list(grads)
+    backward.attention_backward(dout, q, k, v, out, lse, scale=0.125)  # (its cache never hits here)
+    assert planned[1] == planned[0]  # what attention_backward plans with the same arguments
+    del planned[1]
+    call(first, dout.transpose(1, 2).contiguous().transpose(1, 2))  # another dout layout
+    call(first, dout, deterministic=False)  # False is not None
+    call(second, dout)  # another forward plan
+    with _deterministic_algorithms(True):  # torch's flag: read at planning
+        call(first, dout)
+    assert len(planned) == 5 and len(first.backward_plans) == 4 and len(second.backward_plans) == 1
+
+
 def fills_of_straight_run(monkeypatch, deterministic: bool, make_plan, call) -> list[bool]:
     """torch's fill flag at each allocation of a straight run of the plan that make_plan() makes with
     deterministic algorithms on or off (call(plan) runs it); the flag is on before and after."""
@@ -434,25 +464,43 @@ def test_backward_calls_that_need_more_than_the_launches_take_the_full_path(regi
 
 # -- the eager autograd.Function and the compiled custom op -------------------------------------
 
-def recorded_eager_calls(monkeypatch) -> dict:
-    """Fakes of attention_forward and attention_backward under the eager ops, which record their
-    keyword arguments in the returned dict ("forward", "backward"); the backward's gradients are
-    1, 2 and 3 for q, k and v, then 4 for dbias and 5 for dsink where the call asks for them."""
-    seen = {}
-
-    def fake_forward(q, k, v, **kwargs):
+def fake_forward_plans(monkeypatch, seen: dict, lse_shape=lambda q: q.shape[:3]) -> None:
+    """A fake of the plan lookup under the eager autograd.Function (ops.cached_plan): it records its
+    keyword arguments in seen["forward"] and returns a plan, seen["forward plan"], whose run gives
+    zeros (out like q, lse of lse_shape(q))."""
+    def cached_plan(q, k, v, **kwargs):
         seen["forward"] = kwargs
-        return torch.zeros_like(q), torch.zeros(q.shape[:3])
+        seen["forward plan"] = types.SimpleNamespace(
+            run=lambda q, k, v, bias, sink, packed: (torch.zeros_like(q), torch.zeros(lse_shape(q))))
+        return seen["forward plan"]
 
-    def fake_backward(dout, q, k, v, out, lse, **kwargs):
-        seen["backward"] = kwargs
-        grads = tuple(torch.full_like(t, float(i)) for i, t in enumerate((q, k, v), start=1))
-        extra = (torch.full_like(kwargs["bias"], 4.0),) if kwargs.get("bias_grad") else ()
-        extra += (torch.full_like(kwargs["sink"], 5.0),) if kwargs.get("sink_grad") else ()
-        return (*grads, *extra)
+    monkeypatch.setattr(ops, "cached_plan", cached_plan)
 
-    monkeypatch.setattr(ops, "attention_forward", fake_forward)
-    monkeypatch.setattr(ops, "attention_backward", fake_backward)
+
+def fake_gradients(seen: dict, dout, q, k, v, out, lse, **kwargs) -> tuple:
+    """A backward that records its keyword arguments in seen["backward"]: gradients 1, 2 and 3 for
+    q, k and v, then 4 for dbias and 5 for dsink where the call asks for them."""
+    seen["backward"] = kwargs
+    grads = tuple(torch.full_like(t, float(i)) for i, t in enumerate((q, k, v), start=1))
+    extra = (torch.full_like(kwargs["bias"], 4.0),) if kwargs.get("bias_grad") else ()
+    extra += (torch.full_like(kwargs["sink"], 5.0),) if kwargs.get("sink_grad") else ()
+    return (*grads, *extra)
+
+
+def recorded_eager_calls(monkeypatch) -> dict:
+    """Fakes of what the eager ops call (fake_forward_plans; attention_backward and, for a dense call
+    without bias or sink, backward_after with the forward's plan, through fake_gradients), which
+    record their keyword arguments in the returned dict ("forward", "backward")."""
+    seen = {}
+    fake_forward_plans(monkeypatch, seen)
+
+    def backward_after(plan, *args, **kwargs):
+        assert plan is seen["forward plan"]
+        seen["backward after the forward's plan"] = True
+        return fake_gradients(seen, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "attention_backward", lambda *args, **kwargs: fake_gradients(seen, *args, **kwargs))
+    monkeypatch.setattr(ops, "backward_after", backward_after)
     return seen
 
 
@@ -486,7 +534,7 @@ def test_the_eager_sdpa_without_bias_or_sink_passes_the_call_through(monkeypatch
     given = dict(causal="top_left", window_size=(4, 0), softcap=5.0, scale=0.5)
     assert {name: seen["forward"][name] for name in given} == given
     assert {name: seen["backward"][name] for name in given} == given
-    assert seen["backward"]["deterministic"] is False
+    assert seen["backward"]["deterministic"] is False and seen["backward after the forward's plan"]
     assert not {"bias", "sink", "bias_grad", "sink_grad", "dlse"} & {k for k, v in seen["backward"].items() if v}
     assert [t.grad.unique().tolist() for t in (q, k, v)] == [[1.0], [2.0], [3.0]]
 
@@ -494,20 +542,8 @@ def test_the_eager_sdpa_without_bias_or_sink_passes_the_call_through(monkeypatch
 @pytest.mark.parametrize("bias_grad, with_sink", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_eager_varlen_attention_routes_each_gradient_past_the_offsets(monkeypatch, bias_grad, with_sink):
     seen = {}
-
-    def fake_forward(q, k, v, **kwargs):
-        seen["forward"] = kwargs
-        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
-
-    def fake_backward(dout, q, k, v, out, lse, **kwargs):
-        seen["backward"] = kwargs
-        grads = tuple(torch.full_like(t, float(i)) for i, t in enumerate((q, k, v), start=1))
-        extra = (torch.full_like(kwargs["bias"], 4.0),) if kwargs["bias_grad"] else ()
-        extra += (torch.full_like(kwargs["sink"], 5.0),) if kwargs["sink_grad"] else ()
-        return (*grads, *extra)
-
-    monkeypatch.setattr(ops, "attention_forward", fake_forward)
-    monkeypatch.setattr(ops, "attention_backward", fake_backward)
+    fake_forward_plans(monkeypatch, seen, lse_shape=lambda q: (q.shape[1], q.shape[0]))
+    monkeypatch.setattr(ops, "attention_backward", lambda *args, **kwargs: fake_gradients(seen, *args, **kwargs))
     q, k, v = (torch.randn(8, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     bias = torch.zeros(2, 2, 5, 5, dtype=q.dtype, requires_grad=bias_grad)
@@ -527,6 +563,7 @@ def test_the_eager_varlen_attention_routes_each_gradient_past_the_offsets(monkey
 def test_the_eager_sdpa_skips_autograd_only_when_nothing_can_be_differentiated(monkeypatch, case):
     applied = []
     monkeypatch.setattr(ops, "attention_forward", lambda q, k, v, **kw: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    fake_forward_plans(monkeypatch, {})
     monkeypatch.setattr(ops._EagerAttention, "apply",
                         lambda *args: applied.append(args) or ops._EagerAttention.forward(types.SimpleNamespace(
                             set_materialize_grads=lambda _: None, save_for_backward=lambda *_: None), *args))
