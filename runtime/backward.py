@@ -320,7 +320,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def backward_after(forward_plan: ForwardPlan, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: str | None,
+                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: str | None,
                    window_size: tuple[int, int] | None, softcap: float | None, scale: float | None,
                    deterministic: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """attention_backward(dout, q, k, v, out, lse, ...) of a dense call without bias or sink, where q, k,

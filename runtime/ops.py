@@ -159,12 +159,15 @@ class _EagerCall:
     order) travel through autograd's apply beside q, k, v, so that autograd saves them with their
     version checks and apply looks at no argument that is None."""
 
-    __slots__ = ("scores", "deterministic", "has_bias", "has_sink", "max_seqlen")
+    __slots__ = ("scores", "score_args", "deterministic", "has_bias", "has_sink", "max_seqlen")
 
     def __init__(self, settings: tuple, has_bias: bool, has_sink: bool):
         causal, scale, self.deterministic, max_seqlen_q, max_seqlen_k, left, right, softcap = settings
-        self.scores = {"causal": _causal_arg(causal), "window_size": _window(left, right), "softcap": softcap,
-                       "scale": scale}
+        causal, window = _causal_arg(causal), _window(left, right)
+        self.scores = {"causal": causal, "window_size": window, "softcap": softcap, "scale": scale}
+        # The same in the order forward.cached_plan and backward.backward_after take them: passed by
+        # position, on the dense call's path, they cost less host time than keywords.
+        self.score_args = (causal, window, softcap, scale)
         self.has_bias, self.has_sink = has_bias, has_sink
         self.max_seqlen = (max_seqlen_q, max_seqlen_k)
 
@@ -189,7 +192,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _EagerCall, q, k, v, *optional):
         bias, sink, packed = call.split(optional)
-        plan = cached_plan(q, k, v, bias=bias, sink=sink, packed=packed, **call.scores)
+        plan = cached_plan(q, k, v, *call.score_args, bias, sink, packed)
         out, lse = plan.run(q, k, v, bias, sink, packed)
         ctx.call, ctx.plan = call, plan
         ctx.save_for_backward(q, k, v, out, lse, *optional)
@@ -200,8 +203,7 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, *optional = ctx.saved_tensors
         call: _EagerCall = ctx.call
         if not optional:  # a dense call without bias or sink: three gradients, then the call's None
-            return None, *backward_after(ctx.plan, dout, q, k, v, out, lse, deterministic=call.deterministic,
-                                         **call.scores)
+            return None, *backward_after(ctx.plan, dout, q, k, v, out, lse, *call.score_args, call.deterministic)
         bias, sink, packed = call.split(optional)
         wanted = ctx.needs_input_grad[4:4 + call.has_bias + call.has_sink]  # bias's, then sink's
         bias_grad = call.has_bias and wanted[0]

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import dataclasses
 import enum
+import inspect
 import math
 import struct
 import types
@@ -464,12 +465,17 @@ def test_backward_calls_that_need_more_than_the_launches_take_the_full_path(regi
 
 # -- the eager autograd.Function and the compiled custom op -------------------------------------
 
+def named_arguments(fn, *args, **kwargs) -> dict:
+    """A call's arguments to fn by their names, however they were passed."""
+    return dict(inspect.signature(fn).bind(*args, **kwargs).arguments)
+
+
 def fake_forward_plans(monkeypatch, seen: dict, lse_shape=lambda q: q.shape[:3]) -> None:
     """A fake of the plan lookup under the eager autograd.Function (ops.cached_plan): it records its
-    keyword arguments in seen["forward"] and returns a plan, seen["forward plan"], whose run gives
-    zeros (out like q, lse of lse_shape(q))."""
-    def cached_plan(q, k, v, **kwargs):
-        seen["forward"] = kwargs
+    arguments but q, k, v by name in seen["forward"] and returns a plan, seen["forward plan"], whose
+    run gives zeros (out like q, lse of lse_shape(q))."""
+    def cached_plan(q, k, v, *args, **kwargs):
+        seen["forward"] = named_arguments(forward.cached_plan, q, k, v, *args, **kwargs)
         seen["forward plan"] = types.SimpleNamespace(
             run=lambda q, k, v, bias, sink, packed: (torch.zeros_like(q), torch.zeros(lse_shape(q))))
         return seen["forward plan"]
@@ -494,10 +500,12 @@ def recorded_eager_calls(monkeypatch) -> dict:
     seen = {}
     fake_forward_plans(monkeypatch, seen)
 
-    def backward_after(plan, *args, **kwargs):
+    def backward_after(plan, *args):
         assert plan is seen["forward plan"]
         seen["backward after the forward's plan"] = True
-        return fake_gradients(seen, *args, **kwargs)
+        named = named_arguments(backward.backward_after, plan, *args)
+        return fake_gradients(seen, *(named.pop(t) for t in ("dout", "q", "k", "v", "out", "lse")),
+                              **{name: value for name, value in named.items() if name != "forward_plan"})
 
     monkeypatch.setattr(ops, "attention_backward", lambda *args, **kwargs: fake_gradients(seen, *args, **kwargs))
     monkeypatch.setattr(ops, "backward_after", backward_after)
