@@ -166,7 +166,7 @@ class _EagerCall:
         causal, window = _causal_arg(causal), _window(left, right)
         self.scores = {"causal": causal, "window_size": window, "softcap": softcap, "scale": scale}
         # The same in the order forward.cached_plan and backward.backward_after take them: passed by
-        # position, on the dense call's path, they cost less host time than keywords.
+        # position, they cost less host time than keywords.
         self.score_args = (causal, window, softcap, scale)
         self.has_bias, self.has_sink = has_bias, has_sink
         self.max_seqlen = (max_seqlen_q, max_seqlen_k)
@@ -247,7 +247,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional
         # Nothing to differentiate (inference, evaluation): the forward alone, without autograd's
         # Function machinery, which costs about as much host time as the forward itself.
         bias, sink, packed = call.split(optional)
-        return attention_forward(q, k, v, bias=bias, sink=sink, packed=packed, **call.scores)[0]
+        return cached_plan(q, k, v, *call.score_args, bias, sink, packed).run(q, k, v, bias, sink, packed)[0]
     return _EagerAttention.apply(call, q, k, v, *optional)
 
 
@@ -282,12 +282,13 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)  # (N, L, S): one mask per batch entry
-    if query.dim() != 4:
-        raise InvalidInputError(f"query must be (N, H, L, E) or (N, L, E), got shape {tuple(query.shape)}")
-    if not enable_gqa and query.shape[1] != key.shape[1]:
-        raise InvalidInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+    shape = query.shape
+    if len(shape) != 4:
+        raise InvalidInputError(f"query must be (N, H, L, E) or (N, L, E), got shape {tuple(shape)}")
+    if not enable_gqa and shape[1] != key.shape[1]:
+        raise InvalidInputError(f"query has {shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
                                 "for grouped-query attention")
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scale = 1.0 / math.sqrt(shape[3]) if scale is None else scale
     # A bool mask becomes its additive bias here, once, not in both the forward and the backward.
     attn_mask = None if attn_mask is None else additive(attn_mask, query.dtype)
     out = _attention(query, key, value, attn_mask, sink, None, None,

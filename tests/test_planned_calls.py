@@ -570,7 +570,6 @@ def test_the_eager_varlen_attention_routes_each_gradient_past_the_offsets(monkey
 @pytest.mark.parametrize("case", ["no input requires grad", "no_grad", "inference_mode", "only the sink", "only v"])
 def test_the_eager_sdpa_skips_autograd_only_when_nothing_can_be_differentiated(monkeypatch, case):
     applied = []
-    monkeypatch.setattr(ops, "attention_forward", lambda q, k, v, **kw: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
     fake_forward_plans(monkeypatch, {})
     monkeypatch.setattr(ops._EagerAttention, "apply",
                         lambda *args: applied.append(args) or ops._EagerAttention.forward(types.SimpleNamespace(
@@ -588,10 +587,11 @@ def test_the_eager_sdpa_skips_autograd_only_when_nothing_can_be_differentiated(m
 
 def test_the_eager_varlen_attention_passes_the_packed_batch(monkeypatch):
     seen = {}
-    monkeypatch.setattr(ops, "attention_forward", lambda q, k, v, **kw: seen.update(kw) or (q.clone(), None))
+    fake_forward_plans(monkeypatch, seen, lse_shape=lambda q: (q.shape[1], q.shape[0]))
     q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     ops.varlen_attention(q, q, q, cu, cu, 5, 5, causal="bottom_right", window_size=(2, 0))
+    seen = seen["forward"]
     assert seen["packed"] == PackedBatch(cu, cu, 5, 5) and seen["causal"] == "bottom_right"
     assert seen["window_size"] == (2, 0) and seen["softcap"] == 0.0 and seen["scale"] == 0.125
 

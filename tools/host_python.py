@@ -6,6 +6,7 @@ Python work (keys, plan lookups, allocations, parameter binding) and none of the
 GPU allocator's. Rows, µs per call (min and median of interleaved rounds of 1000 calls each):
 
 - attention_forward / attention_backward hits (B = 1, H = 1, S = 128, d = 64);
+- flashkiln.scaled_dot_product_attention on inputs that need no gradient (the forward alone);
 - a training step through flashkiln.scaled_dot_product_attention (autograd, both directions);
 - the same step through a bare autograd.Function that calls attention_forward and
   attention_backward (what the SDPA drop-in's own layers cost above it), and through an
@@ -151,6 +152,7 @@ def main() -> None:
         _interleaved({
             "attention_forward (hit)": lambda: flashkiln.attention_forward(q, k, v),
             "attention_backward (hit)": lambda: flashkiln.attention_backward(dout, q, k, v, out, lse),
+            "scaled_dot_product_attention, no gradient": lambda: flashkiln.scaled_dot_product_attention(q, k, v),
             "step: flashkiln.scaled_dot_product_attention": step(flashkiln.scaled_dot_product_attention),
             "step: a bare autograd.Function of the two calls": step(_Attend.apply),
             "step: an autograd.Function that only allocates": step(_AllocateOnly.apply),
