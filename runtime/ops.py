@@ -153,6 +153,14 @@ def _backward(ctx, dout, dlse):
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _score_args(settings: tuple) -> tuple:
+    """(causal, window_size, softcap, scale) of _attention's settings, as attention_forward takes them,
+    in the order forward.cached_plan and backward.backward_after take them: passed by position, they
+    cost less host time than keywords."""
+    causal, scale, _, _, _, left, right, softcap = settings
+    return _causal_arg(causal), _window(left, right), softcap, scale
+
+
 class _EagerCall:
     """An eager call's arguments besides q, k, v, as attention_forward and attention_backward take
     them. Its optional tensors (bias, sink, cu_seqlens_q, cu_seqlens_k: those present, in that
@@ -162,14 +170,11 @@ class _EagerCall:
     __slots__ = ("scores", "score_args", "deterministic", "has_bias", "has_sink", "max_seqlen")
 
     def __init__(self, settings: tuple, has_bias: bool, has_sink: bool):
-        causal, scale, self.deterministic, max_seqlen_q, max_seqlen_k, left, right, softcap = settings
-        causal, window = _causal_arg(causal), _window(left, right)
+        self.score_args = causal, window, softcap, scale = _score_args(settings)
         self.scores = {"causal": causal, "window_size": window, "softcap": softcap, "scale": scale}
-        # The same in the order forward.cached_plan and backward.backward_after take them: passed by
-        # position, they cost less host time than keywords.
-        self.score_args = (causal, window, softcap, scale)
+        self.deterministic = settings[2]
         self.has_bias, self.has_sink = has_bias, has_sink
-        self.max_seqlen = (max_seqlen_q, max_seqlen_k)
+        self.max_seqlen = settings[3:5]
 
     def split(self, optional: Sequence[torch.Tensor]
               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[PackedBatch]]:
@@ -236,18 +241,18 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional
     (causal, scale, deterministic, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap)."""
     if torch.compiler.is_compiling():
         return attention_forward_op(*_op_inputs(q, k, v, bias, sink, cu_seqlens_q, cu_seqlens_k, settings))[0]
-    call = _EagerCall(settings, bias is not None, sink is not None)
-    if bias is None and sink is None and cu_seqlens_q is None and cu_seqlens_k is None:
-        optional = ()
-    else:
-        optional = tuple(t for t in (bias, sink, cu_seqlens_q, cu_seqlens_k) if t is not None)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                          or (bias is not None and bias.requires_grad)
                                          or (sink is not None and sink.requires_grad))):
         # Nothing to differentiate (inference, evaluation): the forward alone, without autograd's
         # Function machinery, which costs about as much host time as the forward itself.
-        bias, sink, packed = call.split(optional)
-        return cached_plan(q, k, v, *call.score_args, bias, sink, packed).run(q, k, v, bias, sink, packed)[0]
+        packed = _packed(cu_seqlens_q, cu_seqlens_k, *settings[3:5])
+        return cached_plan(q, k, v, *_score_args(settings), bias, sink, packed).run(q, k, v, bias, sink, packed)[0]
+    call = _EagerCall(settings, bias is not None, sink is not None)
+    if bias is None and sink is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        optional = ()
+    else:
+        optional = tuple(t for t in (bias, sink, cu_seqlens_q, cu_seqlens_k) if t is not None)
     return _EagerAttention.apply(call, q, k, v, *optional)
 
 
