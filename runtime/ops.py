@@ -3,9 +3,10 @@
 `flashkiln::attention_forward` and `flashkiln::attention_backward` are opaque to torch.compile
 (no graph breaks), have shape-only fake implementations for tracing, and the forward's autograd
 formula calls the backward op. In eager mode the SDPA drop-in and varlen_attention run the same
-functions through a plain autograd.Function, one call per direction, without the custom-op
-dispatch's host time (and the forward alone where nothing can be differentiated). Every launch
-goes on the current stream, so both also work under CUDA-graph capture.
+plans through a plain autograd.Function, one call per direction, without the custom-op
+dispatch's host time (and the forward alone where nothing can be differentiated); a dense call's
+backward finds its plan on its forward's (backward.backward_after). Every launch goes on the
+current stream, so both also work under CUDA-graph capture.
 """
 from __future__ import annotations
 
