@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # v62 call 1 (prepared; no device ran it). Main's kernels (KF: .device/KF.tgz, v61's overlay of the
-# full build with P2, S60 and F flattened into one archive), then:
+# full build with P2, S60 and F flattened into one archive; if lost: extract .device/K.tgz,
+# .device/v58/B2P2.tgz, .device/v60/S60.tgz and F.tgz, run v61-call1.sh's three overlay_build.py
+# lines, then `cp -rL build/KF` into a fresh build/ and tar it), then:
 # 1. the GPU tests through the SDPA drop-in and the plan caches (v62 moved the eager autograd
 #    backward's plan onto the forward's: backward.backward_after), and bench/host_overhead.py;
 # 2. v61's prepared probe (-next.sh): the timeline probe (build/TL61: `generate --probe timeline`
