@@ -168,14 +168,19 @@ class _EagerCall:
     order) travel through autograd's apply beside q, k, v, so that autograd saves them with their
     version checks and apply looks at no argument that is None."""
 
-    __slots__ = ("scores", "score_args", "deterministic", "has_bias", "has_sink", "max_seqlen")
+    __slots__ = ("score_args", "deterministic", "has_bias", "has_sink", "max_seqlen")
 
     def __init__(self, settings: tuple, has_bias: bool, has_sink: bool):
-        self.score_args = causal, window, softcap, scale = _score_args(settings)
-        self.scores = {"causal": causal, "window_size": window, "softcap": softcap, "scale": scale}
+        self.score_args = _score_args(settings)
         self.deterministic = settings[2]
         self.has_bias, self.has_sink = has_bias, has_sink
         self.max_seqlen = settings[3:5]
+
+    @property
+    def scores(self) -> dict:
+        """score_args as attention_backward's keywords."""
+        causal, window, softcap, scale = self.score_args
+        return {"causal": causal, "window_size": window, "softcap": softcap, "scale": scale}
 
     def split(self, optional: Sequence[torch.Tensor]
               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[PackedBatch]]:

@@ -74,31 +74,29 @@ def main() -> None:
     parser.add_argument("--warpgroups", action="store_true", help="per-warpgroup skips of forward tiles")
     args = parser.parse_args()
     if args.warpgroups:
-        print("| tiles | causal | " + " | ".join(f"w {w}: right, both (summed / longest)" for w in args.windows) + " |")
-        print("|---|---|" + "---|" * len(args.windows))
-        for spec in args.tiles:
-            tile_m, tile_n = (int(x) for x in spec.split(":")[-1].split("x"))
-            for causal in (False, True):
-                cells = []
-                for w in args.windows:
-                    skips = warpgroup_tiles(args.seqlen, causal, window_of(w, causal), tile_m, tile_n)
-                    cells.append(", ".join(f"{a:.3f} / {b:.3f}" for a, b in skips.values()))
-                print(f"| fwd:{tile_m}x{tile_n} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
-        return
-    print("| tiles | causal | " + " | ".join(f"w {w}: covered (masked)" for w in args.windows) + " |")
+        def cell(kind: str, tile_m: int, tile_n: int, causal: bool, w: int) -> str:
+            skips = warpgroup_tiles(args.seqlen, causal, window_of(w, causal), tile_m, tile_n)
+            return ", ".join(f"{a:.3f} / {b:.3f}" for a, b in skips.values())
+        _print_table(args, "right, both (summed / longest)", cell)
+    else:
+        def cell(kind: str, tile_m: int, tile_n: int, causal: bool, w: int) -> str:
+            window = window_of(w, causal)
+            tiles, masked = visited_tiles(args.seqlen, causal, window, kind, tile_m, tile_n)
+            covered = window_visible_pairs(args.seqlen, args.seqlen, *window) / (tiles * tile_m * tile_n)
+            return f"{covered:.3f} ({masked / tiles:.2f})"
+        _print_table(args, "covered (masked)", cell)
+
+
+def _print_table(args: argparse.Namespace, what: str, cell) -> None:
+    """A markdown row per tile spec and causal mode, a cell(kind, tile_m, tile_n, causal, w) per window."""
+    print("| tiles | causal | " + " | ".join(f"w {w}: {what}" for w in args.windows) + " |")
     print("|---|---|" + "---|" * len(args.windows))
     for spec in args.tiles:
         kind, shape = spec.split(":")
         tile_m, tile_n = (int(x) for x in shape.split("x"))
         for causal in (False, True):
-            cells = []
-            for w in args.windows:
-                window = window_of(w, causal)
-                tiles, masked = visited_tiles(args.seqlen, causal, window, kind, tile_m, tile_n)
-                covered = window_visible_pairs(args.seqlen, args.seqlen, *window) / (tiles * tile_m * tile_n)
-                cells.append(f"{covered:.3f} ({masked / tiles:.2f})")
+            cells = [cell(kind, tile_m, tile_n, causal, w) for w in args.windows]
             print(f"| {spec} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
-
 
 if __name__ == "__main__":
     main()
